@@ -1,0 +1,52 @@
+r"""Block Attention Residuals (AttnRes).
+
+Each layer has two mixers (before attention, before the MLP) and the model has a final output mixer. A
+mixer takes the completed block snapshots plus the current partial block sum (last) as candidates::
+
+    mix(prefix, blocks, proj, norm):
+        V = stack(blocks + [prefix])                      # [N, ..., D]
+        K = V_fp32 * rsqrt(mean(V^2) + eps)               # weightless RMS
+        s = K . (norm.weight * proj.weight)               # recompute w (.) gamma whenever weights change
+        return softmax_N(s) @ V_fp32  (cast back)
+
+    model:  blocks = []; h = embed(tokens)
+    layer i:  prefix = h
+              x = mix(prefix, blocks, attn_res) if blocks else prefix
+              if i % block_size == 0: blocks.append(prefix); prefix = None     # layer 0 snapshots the embedding
+              a = attn(input_layernorm(x));  prefix = a if prefix is None else prefix + a
+              m = mlp(post_attention_layernorm(mix(prefix, blocks, mlp_res)))
+              h = prefix + m                   # what passes between layers is the partial block sum
+    final:    h = norm(mix(h, blocks, output_attn_res)); logits = lm_head(h)
+
+Pseudo-queries (``*_res_proj.weight`` [1, D]) start at zero: uniform mixing. Documented special case:
+with ``block_size >= num_layers`` only layer 0 snapshots (the embedding), so every mixer chooses between
+two candidates, the embedding and the running sum of all layer outputs; at zero queries it returns their
+mean ``(emb + sum_outputs) / 2``. ``w (.) gamma`` is never cached here, so a weight update is always seen.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Softmax-weighted mix of ``blocks + [prefix]`` (each [..., D]); query and norm_weight are [D]."""
+    V = torch.stack(list(blocks) + [prefix], dim=0).float()          # [N, ..., D]
+    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    w = (norm_weight.float() * query.float())                        # [D]
+    s = torch.einsum("n...d,d->n...", K, w)
+    p = torch.softmax(s, dim=0)
+    return torch.einsum("n...,n...d->...d", p, V).to(prefix.dtype)
+
+
+class ResProj(nn.Module):
+    """Pseudo-query weight [1, D], zero-initialised (official name ``*_res_proj.weight``)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, dim))
+
+    def reset_parameters(self, gen=None):
+        with torch.no_grad():
+            self.weight.zero_()

@@ -1,0 +1,81 @@
+"""Small shared pieces of the reference model: RMSNorm and explicit initialisers.
+
+RMSNorm (everywhere in K3):  y = weight * x * rsqrt(mean(x^2) + eps), computed in fp32, plain gain
+(not 1 + w), cast back to the input dtype.
+
+Initialisation is explicit for every parameter (the released inference code leaves ``dt_bias`` and the
+router bias as ``torch.empty``): every module owning parameters implements ``reset_parameters(gen)``
+with a ``torch.Generator`` so a seed fully determines the weights.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def reset_parameters(self, gen: torch.Generator | None = None):
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer (weight [out, in], like nn.Linear) whose init is explicit: normal(0, std)."""
+
+    def __init__(self, in_features: int, out_features: int, std: float = 0.02, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features, self.init_std = in_features, out_features, std
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+
+    def reset_parameters(self, gen: torch.Generator | None = None):
+        normal_(self.weight, self.init_std, gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def normal_(t: torch.Tensor, std: float, gen: torch.Generator | None):
+    """In-place normal(0, std) drawn in fp32 on the CPU generator (device/dtype independent)."""
+    with torch.no_grad():
+        v = torch.randn(t.shape, generator=gen, dtype=torch.float32) * std
+        t.copy_(v.to(t.dtype))
+    return t
+
+
+def uniform_(t: torch.Tensor, low: float, high: float, gen: torch.Generator | None):
+    with torch.no_grad():
+        v = torch.rand(t.shape, generator=gen, dtype=torch.float32) * (high - low) + low
+        t.copy_(v.to(t.dtype))
+    return t
+
+
+def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    """y such that softplus(y) = x (for x > 0)."""
+    return x + torch.log(-torch.expm1(-x))
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """Output-projection std (megatron's scaled init): std / sqrt(2 * num_layers)."""
+    return std / math.sqrt(2.0 * num_layers)

@@ -1,0 +1,217 @@
+r"""The golden model: a plain-PyTorch Kimi K3 with the official HF parameter names.
+
+Structure (names as in the release, minus the ``language_model.`` prefix the HF adapter adds)::
+
+    model.embed_tokens                           [V, D]
+    model.layers.{i}.input_layernorm / post_attention_layernorm
+    model.layers.{i}.self_attention_res_norm / self_attention_res_proj / mlp_res_norm / mlp_res_proj  (AttnRes)
+    model.layers.{i}.self_attn.*                 KDA (kda.py) or gated NoPE MLA (mla.py)
+    model.layers.0.mlp.{gate,up,down}_proj       dense layer(s) (first_k_dense_replace)
+    model.layers.{i}.block_sparse_moe.*          Stable LatentMoE (moe.py)
+    model.norm, model.output_attn_res_norm, model.output_attn_res_proj
+    model.mtp.{k}.*                              optional MTP (mtp.py)
+    lm_head                                      [V, D]
+
+The layer/residual math is in attn_res.py; a layer passes ``(h, blocks)``: the partial block sum and the
+completed block snapshots. Without AttnRes (Kimi Linear) the residual stream is the usual pre-norm one.
+
+Loss: token-mean cross-entropy over positions whose label is not ``ignore_index``, computed by a chunked
+cross-entropy that never holds more than one chunk of [chunk, V] logits (each chunk recomputed in
+backward), plus ``mtp_loss_weight`` times the mean of the MTP depths' losses.
+
+No megatron imports here: this is the reference everything else is tested against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attn_res import ResProj, attn_res_mix
+from .common import Linear, RMSNorm, normal_
+from .kda import KimiDeltaAttention
+from .mla import GatedMLA
+from .moe import MLP, LatentMoE
+from .mtp import MTPModule, shift_left
+
+IGNORE_INDEX = -100
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, std: float):
+        super().__init__()
+        self.init_std = std
+        self.weight = nn.Parameter(torch.empty(num, dim))
+
+    def reset_parameters(self, gen=None):
+        normal_(self.weight, self.init_std, gen)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, kind: str | None = None, moe: bool | None = None,
+                 attn_res: bool | None = None):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        D = cfg.hidden_size
+        self.kind = kind or ("kda" if cfg.is_kda_layer(layer_idx) else "mla")
+        self.is_moe = cfg.is_moe_layer(layer_idx) if moe is None else moe
+        self.attn_res = (cfg.attn_res_block_size is not None) if attn_res is None else attn_res
+        self.snapshot = self.attn_res and layer_idx % cfg.attn_res_block_size == 0
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        if self.attn_res:
+            self.self_attention_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.self_attention_res_proj = ResProj(D)
+            self.mlp_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.mlp_res_proj = ResProj(D)
+        self.self_attn = KimiDeltaAttention(cfg, layer_idx) if self.kind == "kda" else GatedMLA(cfg, layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(cfg)
+        else:
+            self.mlp = MLP(cfg, D, cfg.intermediate_size)
+
+    def ffn(self, x):
+        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+
+    def mix(self, which: str, prefix, blocks):
+        norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
+        return attn_res_mix(prefix, blocks, proj.weight.reshape(-1), norm.weight, norm.eps)
+
+    def forward(self, h: torch.Tensor, blocks: list | None):
+        """(h, blocks) -> (h, blocks). ``blocks`` is None without AttnRes; a new list is returned otherwise."""
+        if not self.attn_res:
+            h = h + self.self_attn(self.input_layernorm(h))
+            return h + self.ffn(self.post_attention_layernorm(h)), blocks
+        prefix = h
+        x = self.mix("self_attention", prefix, blocks) if blocks else prefix
+        if self.snapshot:
+            blocks = list(blocks) + [prefix]
+            prefix = None
+        a = self.self_attn(self.input_layernorm(x))
+        prefix = a if prefix is None else prefix + a
+        m = self.ffn(self.post_attention_layernorm(self.mix("mlp", prefix, blocks)))
+        return prefix + m, blocks
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.embed_tokens = Embedding(cfg.vocab_size, D, cfg.init_std)
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.output_attn_res_proj = ResProj(D)
+        if cfg.num_nextn_predict_layers > 0:
+            mtp_moe = cfg.num_experts > 0
+            self.mtp = nn.ModuleList(
+                MTPModule(cfg, lambda: K3DecoderLayer(cfg, cfg.num_hidden_layers, kind="mla", moe=mtp_moe,
+                                                      attn_res=False))
+                for _ in range(cfg.num_nextn_predict_layers))
+
+    def trunk(self, input_ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.Tensor:
+        """input_ids [B, T] -> final representation [B, T, D] (after the output mix, before ``norm``)."""
+        h = self.embed_tokens(input_ids)
+        blocks = [] if self.cfg.attn_res_block_size is not None else None
+        for layer in self.layers:
+            if checkpoint_layers and torch.is_grad_enabled():
+                h, blocks = checkpoint(layer, h, blocks, use_reentrant=False)
+            else:
+                h, blocks = layer(h, blocks)
+        if blocks is not None:
+            h = attn_res_mix(h, blocks, self.output_attn_res_proj.weight.reshape(-1),
+                             self.output_attn_res_norm.weight, self.output_attn_res_norm.eps)
+        return h
+
+
+def _ce_chunk(h, weight, targets, ignore_index):
+    logits = F.linear(h, weight).float()
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          ignore_index: int = IGNORE_INDEX, chunk_tokens: int = 4096):
+    """Sum of CE over non-ignored tokens and their count; only one [chunk, V] logits block is alive at a time
+    (each chunk is recomputed in backward)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, t.numel(), chunk_tokens):
+        hc, tc = h[s:s + chunk_tokens], t[s:s + chunk_tokens]
+        if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
+            total = total + checkpoint(_ce_chunk, hc, weight, tc, ignore_index, use_reentrant=False)
+        else:
+            total = total + _ce_chunk(hc, weight, tc, ignore_index)
+    return total, (t != ignore_index).sum()
+
+
+class K3ForCausalLM(nn.Module):
+    """The golden K3 language model. ``init=True`` initialises every parameter from ``seed``."""
+
+    def __init__(self, cfg, init: bool = True, seed: int = 0):
+        super().__init__()
+        cfg.validate()
+        if cfg.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings=True is not supported (K3 unties them)")
+        self.cfg = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std)
+        self.checkpoint_layers = False
+        if init and not self.lm_head.weight.is_meta:
+            self.init_weights(seed)
+
+    # ------------------------------------------------------------------------------------------------
+    def init_weights(self, seed: int = 0):
+        """Initialise every parameter and buffer explicitly, in module order, from one seeded generator."""
+        gen = torch.Generator().manual_seed(seed)
+        for m in self.modules():
+            fn = getattr(m, "reset_parameters", None)
+            if fn is not None:
+                fn(gen)
+        return self
+
+    def fp32_parameter_names(self) -> list[str]:
+        """Parameters kept in fp32 whatever the compute dtype (KDA A_log/dt_bias/conv/o_norm)."""
+        out = []
+        for mname, m in self.named_modules():
+            for p in getattr(m, "fp32_params", ()):
+                out.append(f"{mname}.{p}")
+        return out
+
+    def to_compute_dtype(self, dtype: torch.dtype):
+        """Cast to ``dtype`` except the fp32 parameters and buffers (router bias)."""
+        keep = set(self.fp32_parameter_names())
+        for name, p in self.named_parameters():
+            if name not in keep:
+                p.data = p.data.to(dtype)
+        return self
+
+    # ------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, mtp_loss_weight: float = 0.1,
+                ce_chunk_tokens: int = 4096):
+        """Without labels: logits [B, T, V]. With labels (already shifted: labels[t] is the target of
+        position t, ``-100`` = ignore): a dict with ``loss``, ``lm_loss``, ``mtp_losses``."""
+        h = self.model.trunk(input_ids, checkpoint_layers=self.checkpoint_layers)
+        if labels is None:
+            return self.lm_head(self.model.norm(h))
+        s, n = chunked_cross_entropy(self.model.norm(h), self.lm_head.weight, labels, chunk_tokens=ce_chunk_tokens)
+        lm_loss = s / n.clamp(min=1)
+        mtp_losses = []
+        h_prev = h
+        for k, mtp in enumerate(getattr(self.model, "mtp", []), start=1):
+            emb_next = self.model.embed_tokens(shift_left(input_ids, k, 0))
+            h_prev = mtp(h_prev, emb_next)
+            tgt = shift_left(labels, k, IGNORE_INDEX)
+            s_k, n_k = chunked_cross_entropy(mtp.norm(h_prev), self.lm_head.weight, tgt,
+                                             chunk_tokens=ce_chunk_tokens)
+            mtp_losses.append(s_k / n_k.clamp(min=1))
+        loss = lm_loss
+        if mtp_losses:
+            loss = loss + mtp_loss_weight * torch.stack(mtp_losses).mean()
+        return {"loss": loss, "lm_loss": lm_loss, "mtp_losses": mtp_losses}

@@ -1,0 +1,268 @@
+r"""Kimi Delta Attention (KDA): gated delta rule with a per-channel (diagonal) decay.
+
+P = H*d (H heads of head_dim d), D = hidden size::
+
+    q = SiLU(CausalDWConv_4(q_proj x));  k = SiLU(CausalDWConv_4(k_proj x));  v = SiLU(CausalDWConv_4(v_proj x))
+    graw = f_b_proj(f_a_proj(x))                                   # D -> d -> P (low rank)
+    beta = sigmoid(b_proj x)                                       # D -> H
+    g    = lower_bound * sigmoid(exp(A_log)[h] * (graw + dt_bias))  # K3: g in (lower_bound, 0) = (-5, 0)
+         = -exp(A_log)[h] * softplus(graw + dt_bias)               # Kimi Linear (unbounded)
+    q, k <- q/||q||, k/||k|| per head (eps 1e-6);  scale = d^-1/2
+    per head:  S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T ;   o_t = scale * S_t^T q_t
+    out = o_proj( RMSNorm_d(o) * o_norm.weight * sigmoid(g_proj x) )  # K3: g_proj full rank D -> P
+
+Two exact pure-PyTorch forms of the recurrence live here (the reference the tests use):
+
+* ``kda_recurrent``: token by token, the definition above (code order:
+  ``S *= exp(g)[:, None]; S += k (x) beta (v - S^T k); o = S^T q``).
+* ``kda_chunked``: the chunkwise (WY) form. Inside a chunk with in-chunk cumulative log decay
+  ``G_i = sum_{j<=i} g_j`` and the incoming state ``S_0``, the delta-rule corrections
+  ``u_i = beta_i (v_i - (Diag(e^{g_i}) S_{i-1})^T k_i)`` solve the unit lower-triangular system
+  ``(I + A) U = beta * (V - (e^{G} * K) S_0)`` with ``A_ij = beta_i <k_i * e^{G_i - G_j}, k_j>`` (j < i), then
+  ``o_i = scale (S_0^T (e^{G_i} q_i) + sum_{j<=i} <q_i * e^{G_i - G_j}, k_j> u_j)`` and
+  ``S_C = e^{G_C} S_0 + sum_j (e^{G_C - G_j} k_j) u_j^T``. Decays are only ever formed as differences
+  ``G_i - G_j <= 0`` so nothing overflows; a ragged last chunk is zero-padded (k = v = q = 0, g = 0, beta = 0
+  change neither the outputs nor the state).
+
+On CUDA with flash-linear-attention installed, ``KimiDeltaAttention`` calls ``fla.ops.kda.chunk_kda`` with the
+gate, beta sigmoid and q/k L2 norm fused in the kernel (``safe_gate=True, lower_bound=-5``); tests pin it to
+``kda_chunked``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import Linear, RMSNorm, inverse_softplus, normal_, rms_norm, scaled_init_std, uniform_
+
+# ----------------------------------------------------------------------------------------------------
+# Functional pieces
+# ----------------------------------------------------------------------------------------------------
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (fla's convention), in fp32."""
+    xf = x.to(_acc_dtype(x))
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp64 stays fp64 (for exactness tests), everything else computes in fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def kda_gate(graw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: float | None) -> torch.Tensor:
+    """Per-channel log decay g [..., H, d] (fp32) from the low-rank gate output graw [..., H, d].
+
+    lower_bound (K3): g = lb * sigmoid(exp(A_log)[h] * (graw + dt_bias)), in (lb, 0).
+    None (Kimi Linear): g = -exp(A_log)[h] * softplus(graw + dt_bias).
+    """
+    H, d = graw.shape[-2:]
+    a = A_log.float().exp().view(H, 1)
+    z = graw.float() + dt_bias.float().view(H, d)
+    if lower_bound is None:
+        return -a * F.softplus(z)
+    return lower_bound * torch.sigmoid(a * z)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: bool = True,
+                  cache: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv over time: x [B, T, C], weight [C, 1, K] -> [B, T, C] (fp32 math, cast back).
+
+    ``cache`` [B, K-1, C] holds the K-1 inputs preceding x (zeros if None), e.g. from a previous CP rank.
+    """
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    xf = x.float().transpose(1, 2)  # [B, C, T]
+    prev = (torch.zeros(B, C, K - 1, dtype=xf.dtype, device=x.device) if cache is None
+            else cache.float().transpose(1, 2))
+    y = F.conv1d(torch.cat([prev, xf], dim=-1), weight.float(), groups=C)
+    if activation:
+        y = F.silu(y)
+    return y.transpose(1, 2).to(x.dtype)
+
+
+def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=None,
+                  output_final_state: bool = False):
+    """Token-by-token KDA. q,k,g: [B,T,H,K]; v: [B,T,H,V]; beta: [B,T,H]; state [B,H,K,V]. fp32 math.
+
+    q and k are used as given (normalise them first). Returns (o [B,T,H,V] in v.dtype, final state or None). fp64 inputs compute in fp64.
+    """
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    ct = _acc_dtype(v)
+    qf, kf, vf, gf, bf = (t.to(ct) for t in (q, k, v, g, beta))
+    S = (torch.zeros(B, H, K, Vd, dtype=ct, device=q.device) if initial_state is None
+         else initial_state.to(ct).clone())
+    outs = []
+    for t in range(T):
+        S = S * gf[:, t].exp().unsqueeze(-1)                            # Diag(exp g) S
+        kt, vt, bt = kf[:, t], vf[:, t], bf[:, t]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)                      # S^T k
+        S = S + torch.einsum("bhk,bhv->bhkv", kt, bt.unsqueeze(-1) * (vt - pred))
+        outs.append(torch.einsum("bhk,bhkv->bhv", qf[:, t] * scale, S))
+    o = torch.stack(outs, dim=1).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+def kda_chunked(q, k, v, g, beta, scale: float | None = None, initial_state=None,
+                output_final_state: bool = False, chunk_size: int = 64):
+    """Chunkwise KDA, exactly equal to ``kda_recurrent`` (see the module docstring). Same shapes."""
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    C = chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    pad = (-T) % C
+    ct = _acc_dtype(v)
+    qf, kf, vf, gf, bf = (t.to(ct) for t in (q, k, v, g, beta))
+    if pad:
+        qf, kf, vf, gf = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (qf, kf, vf, gf))
+        bf = F.pad(bf, (0, 0, 0, pad))
+    N = (T + pad) // C
+    # [B, H, N, C, *]
+    qf, kf, vf, gf = (t.reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for t in (qf, kf, vf, gf))
+    bf = bf.reshape(B, N, C, H).permute(0, 3, 1, 2)
+    G = gf.cumsum(dim=3)                                                  # in-chunk cumulative log decay
+    tri_strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    tri_incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(0)
+    S = (torch.zeros(B, H, K, Vd, dtype=ct, device=q.device) if initial_state is None
+         else initial_state.to(ct).clone())
+    eye = torch.eye(C, dtype=ct, device=q.device)
+    outs = []
+    for n in range(N):
+        qn, kn, vn, Gn, bn = qf[:, :, n], kf[:, :, n], vf[:, :, n], G[:, :, n], bf[:, :, n]
+        # pairwise decay e^{G_i - G_j} on the key dim, masked to j <= i (differences are <= 0 there)
+        diff = Gn.unsqueeze(3) - Gn.unsqueeze(2)                          # [B,H,C(i),C(j),K]
+        decay = torch.where(tri_incl[..., None], diff, torch.full_like(diff, -torch.inf)).exp()
+        kk = torch.einsum("bhik,bhijk,bhjk->bhij", kn, decay, kn)         # <k_i e^{G_i-G_j}, k_j>
+        A = (bn.unsqueeze(-1) * kk).masked_fill(~tri_strict, 0.0)
+        rhs = bn.unsqueeze(-1) * (vn - torch.einsum("bhik,bhkv->bhiv", kn * Gn.exp(), S))
+        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        qk = torch.einsum("bhik,bhijk,bhjk->bhij", qn, decay, kn)         # includes the diagonal
+        o = torch.einsum("bhik,bhkv->bhiv", qn * Gn.exp(), S) + torch.einsum("bhij,bhjv->bhiv", qk, U)
+        outs.append(o * scale)
+        GC = Gn[:, :, -1:]                                                # [B,H,1,K]
+        S = GC.squeeze(2).exp().unsqueeze(-1) * S + torch.einsum("bhjk,bhjv->bhkv", kn * (GC - Gn).exp(), U)
+    o = torch.stack(outs, dim=2)                                          # [B,H,N,C,V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Vd)[:, :T].to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+def _fla_chunk_kda():
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: WPS433
+    except Exception:  # not installed, or no triton/GPU
+        return None
+    return chunk_kda
+
+
+# ----------------------------------------------------------------------------------------------------
+# Module
+# ----------------------------------------------------------------------------------------------------
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv weight [C, 1, K] (fp32, no bias); HF name ``{q,k,v}_conv1d.weight``."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
+
+    def reset_parameters(self, gen=None):
+        bound = 1.0 / math.sqrt(self.weight.shape[-1])  # nn.Conv1d's default (kaiming a=sqrt(5)) bound
+        uniform_(self.weight, -bound, bound, gen)
+
+    def forward(self, x, cache=None):
+        return causal_conv1d(x, self.weight, activation=True, cache=cache)
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA token mixer with the official parameter names (``layers.{i}.self_attn.*``)."""
+
+    # parameters kept in fp32 whatever the compute dtype
+    fp32_params = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight")
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        D, H, d = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        P = H * d
+        self.num_heads, self.head_dim = H, d
+        std, out_std = cfg.init_std, scaled_init_std(cfg.init_std, cfg.num_hidden_layers)
+        self.q_proj = Linear(D, P, std)
+        self.k_proj = Linear(D, P, std)
+        self.v_proj = Linear(D, P, std)
+        self.q_conv1d = ShortConv(P, cfg.short_conv_kernel_size)
+        self.k_conv1d = ShortConv(P, cfg.short_conv_kernel_size)
+        self.v_conv1d = ShortConv(P, cfg.short_conv_kernel_size)
+        self.f_a_proj = Linear(D, d, std)
+        self.f_b_proj = Linear(d, P, std)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.b_proj = Linear(D, H, std)
+        if cfg.use_full_rank_gate:
+            self.g_proj = Linear(D, P, std)
+        else:  # Kimi Linear: low-rank output gate
+            self.g_a_proj = Linear(D, d, std)
+            self.g_b_proj = Linear(d, P, std)
+        self.o_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=torch.float32)
+        self.o_proj = Linear(P, D, out_std)
+
+    def reset_parameters(self, gen=None):
+        """A_log and dt_bias (fla defaults; no official init published). Submodules init themselves."""
+        with torch.no_grad():
+            if self.cfg.gate_lower_bound is not None:
+                self.A_log.zero_()                       # bounded gate: A = 1
+            else:
+                a = torch.empty(self.A_log.shape)
+                uniform_(a, 1.0, 16.0, gen)              # fla's Kimi Linear init: A ~ U(1, 16)
+                self.A_log.copy_(a.log())
+            dt = torch.empty(self.dt_bias.shape)
+            uniform_(dt, math.log(1e-3), math.log(1e-1), gen)
+            dt = dt.exp().clamp(min=1e-4)
+            self.dt_bias.copy_(inverse_softplus(dt))
+
+    # ------------------------------------------------------------------------------------------
+    def gate_input(self, x):
+        return self.f_b_proj(self.f_a_proj(x))
+
+    def output_gate(self, x):
+        return self.g_proj(x) if self.cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, initial_state=None, conv_caches=None, output_final_state: bool = False,
+                impl: str = "auto"):
+        """x [B, T, D] -> [B, T, D]. ``impl``: "auto" (fla on CUDA if installed, else chunked), "chunked",
+        "recurrent" or "fla". ``initial_state``/``conv_caches`` carry state in from earlier tokens (CP)."""
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        cq, ck, cv = conv_caches if conv_caches is not None else (None, None, None)
+        q = self.q_conv1d(self.q_proj(x), cq).view(B, T, H, d)
+        k = self.k_conv1d(self.k_proj(x), ck).view(B, T, H, d)
+        v = self.v_conv1d(self.v_proj(x), cv).view(B, T, H, d)
+        graw = self.gate_input(x).view(B, T, H, d)
+        blogit = self.b_proj(x)
+        fla = _fla_chunk_kda() if impl in ("auto", "fla") and x.is_cuda else None
+        if impl == "fla" and fla is None:
+            raise RuntimeError("impl='fla' needs flash-linear-attention and a CUDA tensor")
+        if fla is not None and self.cfg.gate_lower_bound is not None:
+            o, state = fla(q, k, v, g=graw, beta=blogit, A_log=self.A_log, dt_bias=self.dt_bias,
+                           scale=d ** -0.5, initial_state=initial_state, output_final_state=output_final_state,
+                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                           use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                           lower_bound=self.cfg.gate_lower_bound)
+        else:
+            g = kda_gate(graw, self.A_log, self.dt_bias, self.cfg.gate_lower_bound)
+            beta = torch.sigmoid(blogit.float())
+            fn = kda_recurrent if impl == "recurrent" else kda_chunked
+            kw = {} if impl == "recurrent" else {"chunk_size": self.cfg.kda_chunk_size}
+            o, state = fn(l2norm(q), l2norm(k), v, g, beta, scale=d ** -0.5, initial_state=initial_state,
+                          output_final_state=output_final_state, **kw)
+        o = rms_norm(o.float(), self.o_norm.weight, self.o_norm.eps)
+        o = o * torch.sigmoid(self.output_gate(x).float().view(B, T, H, d))
+        out = self.o_proj(o.reshape(B, T, H * d).to(x.dtype))
+        return (out, state) if output_final_state else out

@@ -1,0 +1,75 @@
+r"""Gated NoPE Multi-head Latent Attention (the full-attention layers of K3).
+
+    q = q_b_proj(q_a_layernorm(q_a_proj x))                       # D -> q_lora_rank -> H*(nope + rope)
+        (Kimi Linear: q = q_proj x, no q low rank)
+    c, k_rot = split(kv_a_proj_with_mqa x, [kv_lora_rank, rope])
+    kv = kv_b_proj(kv_a_layernorm c)                               # kv_lora_rank -> H*(nope + v)
+    k = [k_nope_h ; k_rot shared across heads];  q = [q_nope ; q_rot]    # NO RoPE anywhere (mla_use_nope)
+    attn = causal softmax(q k^T * (nope + rope)^-1/2) v
+    out = o_proj( attn * sigmoid(g_proj x) )                       # g_proj: D -> H*v (K3 output gate)
+
+``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6. The attention core is PyTorch SDPA (flash/efficient
+kernels on GPU, the math kernel on CPU); the same module is the reference on both.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import Linear, RMSNorm, scaled_init_std
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q,k [B,T,H,Dk], v [B,T,H,Dv] -> [B,T,H,Dv], causal softmax attention."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, scale=scale)
+    return o.transpose(1, 2)
+
+
+class GatedMLA(nn.Module):
+    """MLA with the official names (``layers.{i}.self_attn.*``)."""
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = H
+        self.nope, self.rope, self.vdim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        std, out_std = cfg.init_std, scaled_init_std(cfg.init_std, cfg.num_hidden_layers)
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank is not None:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, std)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, std)
+        else:
+            self.q_proj = Linear(D, H * qk, std)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + self.rope, std)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.nope + self.vdim), std)
+        self.o_proj = Linear(H * self.vdim, D, out_std)
+        if cfg.mla_use_output_gate:
+            self.g_proj = Linear(D, H * self.vdim, std)
+
+    def project_qkv(self, x: torch.Tensor):
+        B, T, _ = x.shape
+        H = self.num_heads
+        if self.cfg.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(B, T, H, self.nope + self.rope)
+        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, H, self.nope + self.vdim)
+        k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
+        k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        o = causal_attention(q, k, v, scale=(self.nope + self.rope) ** -0.5)
+        o = o.reshape(B, T, self.num_heads * self.vdim)
+        if self.cfg.mla_use_output_gate:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)

@@ -1,0 +1,132 @@
+r"""Router and Stable LatentMoE, plus the SiTU-GLU MLP used by dense layers, shared and routed experts.
+
+Router (sigmoid, aux-loss-free, one expert group)::
+
+    s      = sigmoid(x_fp32 @ W_gate^T)                       # fp32
+    choice = s + e_score_correction_bias                      # steers selection only: never gets a gradient
+    idx    = topk(choice, k);  w = s[idx];  w /= (sum(w) + 1e-20);  w *= routed_scaling_factor
+
+Stable LatentMoE::
+
+    u = sum_{i in idx} w_i * E_i(routed_expert_down_proj x)   # D -> L (latent); E_i: w1,w3: L -> I, w2: I -> L
+    y = routed_expert_up_proj( RMSNorm_L(u) ) + shared_experts(x)   # norm once, after combining
+
+Routing runs on the full-width x. ``e_score_correction_bias`` is a persistent fp32 buffer (a balancing
+state, not a parameter: the optimizer never sees it; the balancing update writes it in place). Without a
+latent width (Kimi Linear) the experts act on x directly and there is no latent norm.
+
+Each expert/MLP is ``down(act(gate(x), up(x)))`` with ``act`` SiTU-GLU (K3) or SiLU-GLU (Kimi Linear).
+The reference dispatch here loops over experts (exact, simple); the megatron path uses grouped GEMMs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .common import Linear, RMSNorm, normal_, scaled_init_std
+from .situ import glu_activation
+
+
+class MLP(nn.Module):
+    """Dense/shared FFN with HF names gate_proj, up_proj, down_proj."""
+
+    def __init__(self, cfg, hidden: int, width: int):
+        super().__init__()
+        self.cfg = cfg
+        std, out_std = cfg.init_std, scaled_init_std(cfg.init_std, cfg.num_hidden_layers)
+        self.gate_proj = Linear(hidden, width, std)
+        self.up_proj = Linear(hidden, width, std)
+        self.down_proj = Linear(width, hidden, out_std)
+
+    def forward(self, x):
+        c = self.cfg
+        h = glu_activation(self.gate_proj(x), self.up_proj(x), c.hidden_act, c.activation_situ_beta,
+                           c.activation_situ_linear_beta)
+        return self.down_proj(h)
+
+
+class Expert(nn.Module):
+    """Routed expert with HF names w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, cfg, width_in: int, width: int):
+        super().__init__()
+        self.cfg = cfg
+        std, out_std = cfg.init_std, scaled_init_std(cfg.init_std, cfg.num_hidden_layers)
+        self.w1 = Linear(width_in, width, std)
+        self.w3 = Linear(width_in, width, std)
+        self.w2 = Linear(width, width_in, out_std)
+
+    def forward(self, x):
+        c = self.cfg
+        h = glu_activation(self.w1(x), self.w3(x), c.hidden_act, c.activation_situ_beta,
+                           c.activation_situ_linear_beta)
+        return self.w2(h)
+
+
+class Router(nn.Module):
+    """``block_sparse_moe.gate``: weight [E, D] and the buffer ``e_score_correction_bias`` [E] (fp32)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.top_k = cfg.num_experts_per_token
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.empty(cfg.num_experts, dtype=torch.float32))
+
+    def reset_parameters(self, gen=None):
+        normal_(self.weight, self.cfg.init_std, gen)
+        with torch.no_grad():
+            self.e_score_correction_bias.zero_()
+
+    def forward(self, x: torch.Tensor):
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k], scores [N, E] fp32)."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        choice = scores + self.e_score_correction_bias.detach().float()
+        idx = torch.topk(choice, self.top_k, dim=-1).indices
+        w = scores.gather(-1, idx)
+        if self.cfg.moe_renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.cfg.routed_scaling_factor, idx, scores
+
+
+class LatentMoE(nn.Module):
+    """``block_sparse_moe``: router, latent projections + latent RMSNorm, routed and shared experts."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        D, L = cfg.hidden_size, cfg.expert_width
+        self.latent = cfg.routed_expert_hidden_size is not None
+        self.gate = Router(cfg)
+        if self.latent:
+            out_std = scaled_init_std(cfg.init_std, cfg.num_hidden_layers)
+            self.routed_expert_down_proj = Linear(D, L, cfg.init_std)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
+            self.routed_expert_up_proj = Linear(L, D, out_std)
+        self.experts = nn.ModuleList(Expert(cfg, L, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        if cfg.num_shared_experts > 0:
+            self.shared_experts = MLP(cfg, D, cfg.num_shared_experts * cfg.moe_intermediate_size)
+        self.last_routing = None  # (idx [N, k]) of the latest forward, for balancing and metrics
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        w, idx, _ = self.gate(flat)
+        self.last_routing = idx.detach()
+        z = self.routed_expert_down_proj(flat) if self.latent else flat
+        u = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)  # an idle expert still runs (on 0 rows)
+            out = expert(z[tok]).float() * w[tok, slot].unsqueeze(-1)
+            u = u.index_add(0, tok, out)
+        u = u.to(x.dtype)
+        if self.latent:
+            if self.cfg.latent_moe_use_norm:
+                u = self.routed_expert_norm(u)
+            y = self.routed_expert_up_proj(u)
+        else:
+            y = u
+        if self.cfg.num_shared_experts > 0:
+            y = y + self.shared_experts(flat)
+        return y.reshape(shape)
