@@ -176,6 +176,7 @@ class K3Config:
             v = getattr(self, tok)
             need(v is None or 0 <= v < self.vocab_size, f"{tok}={v} is outside the vocabulary [0, {self.vocab_size})")
         need(self.init_std > 0, "init_std must be > 0")
+        need(not self.tie_word_embeddings, "tie_word_embeddings=True is not supported (K3 unties embeddings and lm_head)")
         return self
 
     # (de)serialisation -----------------------------------------------------------------------------

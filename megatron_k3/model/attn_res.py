@@ -28,13 +28,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .common import acc_dtype
+
 
 def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """Softmax-weighted mix of ``blocks + [prefix]`` (each [..., D]); query and norm_weight are [D]."""
-    V = torch.stack(list(blocks) + [prefix], dim=0).float()          # [N, ..., D]
+    ct = acc_dtype(prefix)
+    V = torch.stack(list(blocks) + [prefix], dim=0).to(ct)          # [N, ..., D]
     K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
-    w = (norm_weight.float() * query.float())                        # [D]
+    w = norm_weight.to(ct) * query.to(ct)                            # [D]
     s = torch.einsum("n...d,d->n...", K, w)
     p = torch.softmax(s, dim=0)
     return torch.einsum("n...,n...d->...d", p, V).to(prefix.dtype)

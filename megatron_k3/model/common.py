@@ -16,11 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype K3's "computed in fp32" math uses: fp32, except that fp64 stays fp64 (exactness tests)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    xf = x.float()
+    ct = acc_dtype(x)
+    xf = x.to(ct)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(ct)
     return y.to(x.dtype)
 
 

@@ -131,7 +131,8 @@ class K3Model(nn.Module):
 
 
 def _ce_chunk(h, weight, targets, ignore_index):
-    logits = F.linear(h, weight).float()
+    logits = F.linear(h, weight)
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
@@ -141,7 +142,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     (each chunk is recomputed in backward)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     for s in range(0, t.numel(), chunk_tokens):
         hc, tc = h[s:s + chunk_tokens], t[s:s + chunk_tokens]
         if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
@@ -157,8 +158,6 @@ class K3ForCausalLM(nn.Module):
     def __init__(self, cfg, init: bool = True, seed: int = 0):
         super().__init__()
         cfg.validate()
-        if cfg.tie_word_embeddings:
-            raise ValueError("tie_word_embeddings=True is not supported (K3 unties them)")
         self.cfg = cfg
         self.model = K3Model(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std)

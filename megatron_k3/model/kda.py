@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Linear, RMSNorm, inverse_softplus, normal_, rms_norm, scaled_init_std, uniform_
+from .common import Linear, RMSNorm, acc_dtype, inverse_softplus, normal_, rms_norm, scaled_init_std, uniform_
 
 # ----------------------------------------------------------------------------------------------------
 # Functional pieces
@@ -45,13 +45,8 @@ from .common import Linear, RMSNorm, inverse_softplus, normal_, rms_norm, scaled
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (fla's convention), in fp32."""
-    xf = x.to(_acc_dtype(x))
+    xf = x.to(acc_dtype(x))
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype: fp64 stays fp64 (for exactness tests), everything else computes in fp32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def kda_gate(graw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -62,8 +57,9 @@ def kda_gate(graw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     None (Kimi Linear): g = -exp(A_log)[h] * softplus(graw + dt_bias).
     """
     H, d = graw.shape[-2:]
-    a = A_log.float().exp().view(H, 1)
-    z = graw.float() + dt_bias.float().view(H, d)
+    ct = acc_dtype(graw)
+    a = A_log.to(ct).exp().view(H, 1)
+    z = graw.to(ct) + dt_bias.to(ct).view(H, d)
     if lower_bound is None:
         return -a * F.softplus(z)
     return lower_bound * torch.sigmoid(a * z)
@@ -77,10 +73,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: bool = True
     """
     B, T, C = x.shape
     K = weight.shape[-1]
-    xf = x.float().transpose(1, 2)  # [B, C, T]
-    prev = (torch.zeros(B, C, K - 1, dtype=xf.dtype, device=x.device) if cache is None
-            else cache.float().transpose(1, 2))
-    y = F.conv1d(torch.cat([prev, xf], dim=-1), weight.float(), groups=C)
+    ct = acc_dtype(x)
+    xf = x.to(ct).transpose(1, 2)  # [B, C, T]
+    prev = (torch.zeros(B, C, K - 1, dtype=ct, device=x.device) if cache is None
+            else cache.to(ct).transpose(1, 2))
+    y = F.conv1d(torch.cat([prev, xf], dim=-1), weight.to(ct), groups=C)
     if activation:
         y = F.silu(y)
     return y.transpose(1, 2).to(x.dtype)
@@ -95,7 +92,7 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    ct = _acc_dtype(v)
+    ct = acc_dtype(v)
     qf, kf, vf, gf, bf = (t.to(ct) for t in (q, k, v, g, beta))
     S = (torch.zeros(B, H, K, Vd, dtype=ct, device=q.device) if initial_state is None
          else initial_state.to(ct).clone())
@@ -118,7 +115,7 @@ def kda_chunked(q, k, v, g, beta, scale: float | None = None, initial_state=None
     C = chunk_size
     scale = K ** -0.5 if scale is None else scale
     pad = (-T) % C
-    ct = _acc_dtype(v)
+    ct = acc_dtype(v)
     qf, kf, vf, gf, bf = (t.to(ct) for t in (q, k, v, g, beta))
     if pad:
         qf, kf, vf, gf = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (qf, kf, vf, gf))
@@ -257,12 +254,13 @@ class KimiDeltaAttention(nn.Module):
                            lower_bound=self.cfg.gate_lower_bound)
         else:
             g = kda_gate(graw, self.A_log, self.dt_bias, self.cfg.gate_lower_bound)
-            beta = torch.sigmoid(blogit.float())
+            beta = torch.sigmoid(blogit.to(acc_dtype(blogit)))
             fn = kda_recurrent if impl == "recurrent" else kda_chunked
             kw = {} if impl == "recurrent" else {"chunk_size": self.cfg.kda_chunk_size}
             o, state = fn(l2norm(q), l2norm(k), v, g, beta, scale=d ** -0.5, initial_state=initial_state,
                           output_final_state=output_final_state, **kw)
-        o = rms_norm(o.float(), self.o_norm.weight, self.o_norm.eps)
-        o = o * torch.sigmoid(self.output_gate(x).float().view(B, T, H, d))
+        ct = acc_dtype(x)
+        o = rms_norm(o.to(ct), self.o_norm.weight, self.o_norm.eps)
+        o = o * torch.sigmoid(self.output_gate(x).to(ct).view(B, T, H, d))
         out = self.o_proj(o.reshape(B, T, H * d).to(x.dtype))
         return (out, state) if output_final_state else out

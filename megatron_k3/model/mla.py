@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Linear, RMSNorm, scaled_init_std
+from .common import Linear, RMSNorm, acc_dtype, scaled_init_std
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -71,5 +71,6 @@ class GatedMLA(nn.Module):
         o = causal_attention(q, k, v, scale=(self.nope + self.rope) ** -0.5)
         o = o.reshape(B, T, self.num_heads * self.vdim)
         if self.cfg.mla_use_output_gate:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+            ct = acc_dtype(x)
+            o = (o.to(ct) * torch.sigmoid(self.g_proj(x).to(ct))).to(x.dtype)
         return self.o_proj(o)

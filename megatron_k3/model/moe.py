@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import Linear, RMSNorm, normal_, scaled_init_std
+from .common import Linear, RMSNorm, acc_dtype, normal_, scaled_init_std
 from .situ import glu_activation
 
 
@@ -80,8 +80,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k], scores [N, E] fp32)."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
-        choice = scores + self.e_score_correction_bias.detach().float()
+        ct = acc_dtype(x)
+        scores = torch.sigmoid(x.to(ct) @ self.weight.to(ct).t())
+        choice = scores + self.e_score_correction_bias.detach().to(ct)
         idx = torch.topk(choice, self.top_k, dim=-1).indices
         w = scores.gather(-1, idx)
         if self.cfg.moe_renormalize:
@@ -115,10 +116,10 @@ class LatentMoE(nn.Module):
         w, idx, _ = self.gate(flat)
         self.last_routing = idx.detach()
         z = self.routed_expert_down_proj(flat) if self.latent else flat
-        u = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+        u = torch.zeros(z.shape, dtype=acc_dtype(z), device=z.device)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.nonzero(idx == e, as_tuple=True)  # an idle expert still runs (on 0 rows)
-            out = expert(z[tok]).float() * w[tok, slot].unsqueeze(-1)
+            out = expert(z[tok]).to(u.dtype) * w[tok, slot].unsqueeze(-1).to(u.dtype)
             u = u.index_add(0, tok, out)
         u = u.to(x.dtype)
         if self.latent:

@@ -27,8 +27,9 @@ def situ_linear(u: torch.Tensor, linear_beta: float = 25.0) -> torch.Tensor:
 
 
 def situ(g: torch.Tensor, u: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU on separate gate/up halves, in fp32, cast back to the input dtype."""
-    out = situ_gate(g.float(), beta) * situ_linear(u.float(), linear_beta)
+    """SiTU-GLU on separate gate/up halves, in fp32 (fp64 stays fp64), cast back to the input dtype."""
+    ct = torch.float64 if g.dtype == torch.float64 else torch.float32
+    out = situ_gate(g.to(ct), beta) * situ_linear(u.to(ct), linear_beta)
     return out.to(g.dtype)
 
 

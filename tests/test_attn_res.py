@@ -1,0 +1,87 @@
+"""Attention Residuals: the mixer's math, the uniform case, and the block-size >= layers special case."""
+import pytest
+import torch
+
+from megatron_k3 import get_preset
+from megatron_k3.model import K3ForCausalLM
+from megatron_k3.model import k3 as k3mod
+from megatron_k3.model.attn_res import attn_res_mix
+
+
+@pytest.mark.parametrize("n_blocks", [0, 1, 4])
+def test_zero_queries_give_uniform_mean(n_blocks):
+    torch.manual_seed(n_blocks)
+    D = 16
+    cands = [torch.randn(2, 5, D) * (i + 1) for i in range(n_blocks + 1)]
+    out = attn_res_mix(cands[-1], cands[:-1], torch.zeros(D), torch.rand(D) + 0.5, 1e-5)
+    torch.testing.assert_close(out, torch.stack(cands).mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_mix_matches_explicit_softmax_fp64():
+    torch.manual_seed(1)
+    D, eps = 8, 1e-5
+    cands = [torch.randn(3, D, dtype=torch.float64) for _ in range(4)]
+    q, gamma = torch.randn(D, dtype=torch.float64), torch.rand(D, dtype=torch.float64) + 0.5
+    out = attn_res_mix(cands[-1], cands[:-1], q, gamma, eps)
+    for t in range(3):
+        scores = []
+        for c in cands:
+            v = c[t]
+            k = v / torch.sqrt((v * v).mean() + eps)
+            scores.append(float((k * gamma * q).sum()))
+        w = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+        ref = sum(wi * c[t] for wi, c in zip(w, cands))
+        torch.testing.assert_close(out[t].double(), ref, rtol=1e-6, atol=1e-6)
+    # and the weights really depend on the query (it is not a mean)
+    assert not torch.allclose(out, torch.stack(cands).mean(0).to(out.dtype))
+
+
+def test_block_size_ge_layers_reduces_to_embedding_vs_running_sum():
+    """block >= L: only layer 0 snapshots; every mixer averages (embedding, running sum of outputs) at zero q."""
+    base = get_preset("k3-tiny")
+    for bs in (base.num_hidden_layers, 3 * base.num_hidden_layers):
+        cfg = base.replace(attn_res_block_size=bs)
+        m = K3ForCausalLM(cfg, seed=3).double()
+        ids = torch.randint(0, cfg.vocab_size, (2, 24))
+        emb = m.model.embed_tokens(ids)
+        S = None
+        for i, layer in enumerate(m.model.layers):
+            x = emb if i == 0 else (emb + S) / 2
+            a = layer.self_attn(layer.input_layernorm(x))
+            S = a if i == 0 else S + a
+            S = S + layer.ffn(layer.post_attention_layernorm((emb + S) / 2))
+        ref = m.lm_head(m.model.norm((emb + S) / 2))
+        torch.testing.assert_close(m(ids), ref, rtol=1e-9, atol=1e-9)
+
+
+def test_candidate_counts(monkeypatch):
+    """8 layers, block 2: snapshots at layers 0,2,4,6 -> the final mixer sees 4 blocks + the partial sum."""
+    cfg = get_preset("k3-tiny")
+    seen = []
+    real = k3mod.attn_res_mix
+
+    def spy(prefix, blocks, *a):
+        seen.append(len(blocks) + 1)
+        return real(prefix, blocks, *a)
+
+    monkeypatch.setattr(k3mod, "attn_res_mix", spy)
+    m = K3ForCausalLM(cfg, seed=0)
+    m(torch.randint(0, cfg.vocab_size, (1, 8)))
+    # layer i: the attention mixer sees the snapshots taken before layer i ((i + 1) // 2 of them, skipped
+    # when none), the MLP mixer those up to and including layer i (i // 2 + 1); each plus the partial sum.
+    expect = []
+    for i in range(cfg.num_hidden_layers):
+        if (i + 1) // 2:
+            expect.append((i + 1) // 2 + 1)
+        expect.append(i // 2 + 1 + 1)
+    expect.append(cfg.num_hidden_layers // 2 + 1)
+    assert seen == expect
+    # the released config: 93 layers, block 12 -> 9 candidates in the final mix
+    assert len(range(0, 93, 12)) + 1 == 9
+
+
+def test_pseudo_queries_zero_initialised():
+    m = K3ForCausalLM(get_preset("k3-tiny"), seed=0)
+    projs = [p for n, p in m.named_parameters() if n.endswith("_res_proj.weight")]
+    assert len(projs) == 2 * 8 + 1
+    assert all(p.shape == (1, 64) and torch.all(p == 0) for p in projs)

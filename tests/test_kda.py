@@ -1,0 +1,96 @@
+"""KDA: the token-by-token recurrence and the chunked form agree; the bounded gate stays in range."""
+import pytest
+import torch
+
+from megatron_k3 import get_preset
+from megatron_k3.model.kda import KimiDeltaAttention, kda_chunked, kda_gate, kda_recurrent, l2norm
+
+
+def _inputs(B, T, H, K, V, dtype, seed=0, with_state=True):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k = l2norm(r(B, T, H, K)), l2norm(r(B, T, H, K))
+    v = r(B, T, H, V)
+    gate = -5.0 * torch.rand(B, T, H, K, generator=g, dtype=torch.float64)  # the K3 range (-5, 0)
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    s0 = r(B, H, K, V) if with_state else None
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return [cast(t) for t in (q, k, v, gate, beta, s0)]
+
+
+@pytest.mark.parametrize("T,chunk", [(37, 16), (64, 64), (1, 16), (100, 32), (5, 4)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_recurrent_equals_chunked_fp64(T, chunk, with_state):
+    q, k, v, g, beta, s0 = _inputs(2, T, 3, 8, 6, torch.float64, seed=T, with_state=with_state)
+    o1, S1 = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o2, S2 = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=chunk)
+    assert o1.dtype == torch.float64
+    torch.testing.assert_close(o2, o1, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(S2, S1, rtol=1e-10, atol=1e-10)
+
+
+def test_recurrent_equals_chunked_fp32():
+    q, k, v, g, beta, s0 = _inputs(2, 77, 4, 16, 16, torch.float32, seed=3)
+    o1, S1 = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o2, S2 = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=32)
+    torch.testing.assert_close(o2, o1, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(S2, S1, rtol=2e-5, atol=2e-5)
+
+
+def test_chunked_state_carries_across_calls():
+    """Splitting a sequence in two and carrying the state equals one call (what CP relies on)."""
+    q, k, v, g, beta, _ = _inputs(1, 50, 2, 8, 8, torch.float64, seed=5, with_state=False)
+    o, S = kda_chunked(q, k, v, g, beta, output_final_state=True, chunk_size=16)
+    oa, Sa = kda_chunked(q[:, :23], k[:, :23], v[:, :23], g[:, :23], beta[:, :23], output_final_state=True,
+                         chunk_size=16)
+    ob, Sb = kda_chunked(q[:, 23:], k[:, 23:], v[:, 23:], g[:, 23:], beta[:, 23:], initial_state=Sa,
+                         output_final_state=True, chunk_size=16)
+    torch.testing.assert_close(torch.cat([oa, ob], 1), o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(Sb, S, rtol=1e-10, atol=1e-10)
+
+
+def test_delta_rule_single_step_by_hand():
+    """One token from a zero state: S = beta k v^T, o = scale * beta <k, q> v."""
+    q, k, v, g, beta, _ = _inputs(1, 1, 1, 4, 3, torch.float64, seed=9, with_state=False)
+    o, S = kda_recurrent(q, k, v, g, beta, output_final_state=True)
+    b = beta[0, 0, 0]
+    torch.testing.assert_close(S[0, 0], b * torch.outer(k[0, 0, 0], v[0, 0, 0]))
+    torch.testing.assert_close(o[0, 0, 0], 4 ** -0.5 * b * (k[0, 0, 0] @ q[0, 0, 0]) * v[0, 0, 0])
+
+
+def test_lower_bound_gate_in_range():
+    torch.manual_seed(0)
+    H, d = 4, 8
+    graw = torch.randn(3, 50, H, d) * 2           # the operating range: |exp(A) (graw + dt_bias)| < ~15
+    A_log = torch.randn(H) * 0.3
+    dt_bias = torch.randn(H * d) - 3
+    g = kda_gate(graw, A_log, dt_bias, -5.0)
+    assert g.dtype == torch.float32
+    assert (g > -5).all() and (g < 0).all(), (g.min(), g.max())
+    # extreme inputs saturate in fp32 but never leave [-5, 0] nor produce NaN
+    g2 = kda_gate(graw * 1e4, A_log, dt_bias, -5.0)
+    assert torch.isfinite(g2).all() and (g2 >= -5).all() and (g2 <= 0).all()
+    # the Kimi Linear (unbounded) gate is not bounded below
+    g3 = kda_gate(graw * 100, A_log, dt_bias, None)
+    assert (g3 <= 0).all() and g3.min() < -5
+
+
+def test_kda_layer_init_gate_range_and_impls_agree():
+    cfg = get_preset("k3-tiny")
+    layer = KimiDeltaAttention(cfg)
+    gen = torch.Generator().manual_seed(0)
+    for m in layer.modules():
+        m.reset_parameters(gen) if hasattr(m, "reset_parameters") else None
+    assert torch.all(layer.A_log == 0)
+    dt = torch.nn.functional.softplus(layer.dt_bias)
+    assert dt.min() >= 1e-4 - 1e-9 and dt.max() <= 1e-1 + 1e-6
+    x = torch.randn(2, 45, cfg.hidden_size)
+    y_rec = layer(x, impl="recurrent")
+    y_chk = layer(x, impl="chunked")
+    torch.testing.assert_close(y_chk, y_rec, rtol=1e-4, atol=1e-5)
+    # causality: changing a future token does not change earlier outputs
+    x2 = x.clone()
+    x2[:, 30] += 1.0
+    y2 = layer(x2, impl="chunked")
+    torch.testing.assert_close(y2[:, :30], y_chk[:, :30])
+    assert not torch.allclose(y2[:, 30:], y_chk[:, 30:])

@@ -1,0 +1,80 @@
+"""Router and Stable LatentMoE: bias steers selection only, renormalised weights, dispatch == dense reference."""
+import torch
+
+from megatron_k3 import get_preset
+from megatron_k3.model.common import rms_norm
+from megatron_k3.model.moe import LatentMoE
+
+
+def _moe(seed=0, dtype=torch.float64, **over):
+    cfg = get_preset("k3-tiny", **over)
+    m = LatentMoE(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    for mod in m.modules():
+        if hasattr(mod, "reset_parameters"):
+            mod.reset_parameters(gen)
+    return cfg, m.to(dtype)
+
+
+def test_common_bias_shift_changes_nothing():
+    cfg, m = _moe()
+    x = torch.randn(3, 20, cfg.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.copy_(torch.randn(cfg.num_experts) * 0.1)
+    w0, i0, _ = m.gate(x.reshape(-1, cfg.hidden_size))
+    y0 = m(x)
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.add_(3.7)
+    w1, i1, _ = m.gate(x.reshape(-1, cfg.hidden_size))
+    assert torch.equal(i0, i1)
+    torch.testing.assert_close(w0, w1)
+    torch.testing.assert_close(m(x), y0)
+
+
+def test_bias_steers_selection_but_not_weights_and_gets_no_gradient():
+    cfg, m = _moe()
+    x = torch.randn(64, cfg.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.zero_()
+        m.gate.e_score_correction_bias[3] = 10.0  # force expert 3 into every top-k
+    w, idx, scores = m.gate(x)
+    assert (idx == 3).any(-1).all()
+    # the weights are the renormalised *unbiased* sigmoid scores of the chosen experts
+    s = scores.gather(-1, idx)
+    torch.testing.assert_close(w, s / s.sum(-1, keepdim=True) * cfg.routed_scaling_factor)
+    torch.testing.assert_close(w.sum(-1), torch.full((64,), cfg.routed_scaling_factor, dtype=w.dtype))
+    # the bias is a buffer: never a parameter, never a gradient; the gate weight does get one
+    names = [n for n, _ in m.named_parameters()]
+    assert "gate.e_score_correction_bias" not in names
+    assert "gate.e_score_correction_bias" in m.state_dict()
+    m(x.unsqueeze(0)).sum().backward()
+    assert m.gate.e_score_correction_bias.grad is None and not m.gate.e_score_correction_bias.requires_grad
+    assert m.gate.weight.grad is not None and m.gate.weight.grad.abs().sum() > 0
+
+
+def test_dispatch_equals_dense_reference():
+    """Every expert on every token, combined with a dense [N, E] weight matrix, then latent norm + up + shared."""
+    cfg, m = _moe(seed=2, routed_scaling_factor=1.5)
+    x = torch.randn(2, 17, cfg.hidden_size, dtype=torch.float64)
+    flat = x.reshape(-1, cfg.hidden_size)
+    w, idx, _ = m.gate(flat)
+    dense_w = torch.zeros(flat.shape[0], cfg.num_experts, dtype=torch.float64).scatter(1, idx, w)
+    z = flat @ m.routed_expert_down_proj.weight.t()
+    outs = torch.stack([e(z) for e in m.experts], dim=1)  # [N, E, L]
+    u = (dense_w.unsqueeze(-1) * outs).sum(1)
+    y = rms_norm(u, m.routed_expert_norm.weight, cfg.rms_norm_eps) @ m.routed_expert_up_proj.weight.t()
+    y = y + m.shared_experts(flat)
+    torch.testing.assert_close(m(x), y.reshape(x.shape), rtol=1e-10, atol=1e-10)
+
+
+def test_no_latent_variant_acts_on_hidden():
+    cfg, m = _moe(routed_expert_hidden_size=None, latent_moe_use_norm=False, num_shared_experts=0)
+    assert not hasattr(m, "routed_expert_down_proj") and not hasattr(m, "shared_experts")
+    assert m.experts[0].w1.weight.shape == (cfg.moe_intermediate_size, cfg.hidden_size)
+    x = torch.randn(1, 9, cfg.hidden_size, dtype=torch.float64)
+    w, idx, _ = m.gate(x[0])
+    ref = torch.zeros_like(x[0])
+    for t in range(9):
+        for j in range(cfg.num_experts_per_token):
+            ref[t] += w[t, j] * m.experts[int(idx[t, j])](x[0, t:t + 1])[0]
+    torch.testing.assert_close(m(x)[0], ref)
