@@ -5,7 +5,8 @@ exists there, so a config maps to ``config.json`` one to one (see ``to_hf_dict``
 
 Presets
 -------
-``k3-tiny``          CPU tests: hidden 64, 8 layers, AttnRes blocks of 2 layers, 8 experts top-2, 1 shared.
+``k3-tiny``          CPU tests: hidden 64, 8 layers, KDA 4x16, MLA 4 heads, AttnRes blocks of 2 layers, 8 experts
+                     top-2 + 1 shared, latent 32, vocab 512 (heads divide TP x CP = 4).
 ``k3-mini``          the ~1.26B benchmark model (exact count: ``tools/model_info.py --preset k3-mini``).
 ``k3-full``          the released 2.8T K3 text config (``shared/K3_ARCHITECTURE.md`` section 1).
 ``kimi-linear-48b``  the predecessor (Kimi Linear 48B-A3B): SiLU, unbounded KDA gate, low-rank output gate,
@@ -208,7 +209,7 @@ class K3Config:
 def _k3_tiny() -> K3Config:
     return K3Config(
         name="k3-tiny", hidden_size=64, num_hidden_layers=8, vocab_size=512,
-        kda_num_heads=2, kda_head_dim=32,
+        kda_num_heads=4, kda_head_dim=16,
         num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, intermediate_size=192,
         num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,

@@ -68,11 +68,21 @@ class K3DecoderLayer(nn.Module):
             self.self_attention_res_proj = ResProj(D)
             self.mlp_res_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.mlp_res_proj = ResProj(D)
-        self.self_attn = KimiDeltaAttention(cfg, layer_idx) if self.kind == "kda" else GatedMLA(cfg, layer_idx)
+        self.self_attn = self.make_attention(cfg, layer_idx)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg)
+            self.block_sparse_moe = self.make_moe(cfg)
         else:
-            self.mlp = MLP(cfg, D, cfg.intermediate_size)
+            self.mlp = self.make_mlp(cfg)
+
+    # Factories: the parallel (megatron) layer overrides these and keeps everything else.
+    def make_attention(self, cfg, layer_idx):
+        return KimiDeltaAttention(cfg, layer_idx) if self.kind == "kda" else GatedMLA(cfg, layer_idx)
+
+    def make_moe(self, cfg):
+        return LatentMoE(cfg)
+
+    def make_mlp(self, cfg):
+        return MLP(cfg, cfg.hidden_size, cfg.intermediate_size)
 
     def ffn(self, x):
         return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
@@ -207,9 +217,9 @@ class K3ForCausalLM(nn.Module):
             emb_next = self.model.embed_tokens(shift_left(input_ids, k, 0))
             h_prev = mtp(h_prev, emb_next)
             tgt = shift_left(labels, k, IGNORE_INDEX)
-            s_k, n_k = chunked_cross_entropy(mtp.norm(h_prev), self.lm_head.weight, tgt,
+            s_k, _ = chunked_cross_entropy(mtp.norm(h_prev), self.lm_head.weight, tgt,
                                              chunk_tokens=ce_chunk_tokens)
-            mtp_losses.append(s_k / n_k.clamp(min=1))
+            mtp_losses.append(s_k / n.clamp(min=1))  # per main-loss token (megatron's per-token convention)
         loss = lm_loss
         if mtp_losses:
             loss = loss + mtp_loss_weight * torch.stack(mtp_losses).mean()

@@ -231,36 +231,57 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x):
         return self.g_proj(x) if self.cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
-    def forward(self, x: torch.Tensor, initial_state=None, conv_caches=None, output_final_state: bool = False,
-                impl: str = "auto"):
-        """x [B, T, D] -> [B, T, D]. ``impl``: "auto" (fla on CUDA if installed, else chunked), "chunked",
-        "recurrent" or "fla". ``initial_state``/``conv_caches`` carry state in from earlier tokens (CP)."""
+    # The forward is split in three phases so the tensor/context-parallel layer (megatron_k3.megatron)
+    # can run the same math on its shard, with communication between the phases.
+    def project(self, x: torch.Tensor):
+        """x [B, T, D] -> per-token projections: q/k/v/graw [B, T, H, d], beta logits [B, T, H], gate [B, T, H, d]."""
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
+        return (self.q_proj(x).view(B, T, H, d), self.k_proj(x).view(B, T, H, d), self.v_proj(x).view(B, T, H, d),
+                self.gate_input(x).view(B, T, H, d), self.b_proj(x), self.output_gate(x).view(B, T, H, d))
+
+    def mix(self, q, k, v, graw, blogit, heads: slice | None = None, initial_state=None, conv_caches=None,
+            output_final_state: bool = False, impl: str = "auto"):
+        """Token mixing over the full sequence for the heads in ``heads`` (default: all of this module's):
+        short convs, gate, beta, the delta rule and the per-head output RMSNorm. Inputs [B, T, h, d]."""
+        B, T, h, d = q.shape
+        hs = heads or slice(0, self.num_heads)
+        ch = slice(hs.start * d, hs.stop * d)
         cq, ck, cv = conv_caches if conv_caches is not None else (None, None, None)
-        q = self.q_conv1d(self.q_proj(x), cq).view(B, T, H, d)
-        k = self.k_conv1d(self.k_proj(x), ck).view(B, T, H, d)
-        v = self.v_conv1d(self.v_proj(x), cv).view(B, T, H, d)
-        graw = self.gate_input(x).view(B, T, H, d)
-        blogit = self.b_proj(x)
-        fla = _fla_chunk_kda() if impl in ("auto", "fla") and x.is_cuda else None
+        q = causal_conv1d(q.reshape(B, T, h * d), self.q_conv1d.weight[ch], True, cq).view(B, T, h, d)
+        k = causal_conv1d(k.reshape(B, T, h * d), self.k_conv1d.weight[ch], True, ck).view(B, T, h, d)
+        v = causal_conv1d(v.reshape(B, T, h * d), self.v_conv1d.weight[ch], True, cv).view(B, T, h, d)
+        A_log, dt_bias = self.A_log[hs], self.dt_bias[ch]
+        fla = _fla_chunk_kda() if impl in ("auto", "fla") and q.is_cuda else None
         if impl == "fla" and fla is None:
             raise RuntimeError("impl='fla' needs flash-linear-attention and a CUDA tensor")
         if fla is not None and self.cfg.gate_lower_bound is not None:
-            o, state = fla(q, k, v, g=graw, beta=blogit, A_log=self.A_log, dt_bias=self.dt_bias,
-                           scale=d ** -0.5, initial_state=initial_state, output_final_state=output_final_state,
-                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                           use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                           lower_bound=self.cfg.gate_lower_bound)
+            o, state = fla(q, k, v, g=graw, beta=blogit, A_log=A_log, dt_bias=dt_bias, scale=d ** -0.5,
+                           initial_state=initial_state, output_final_state=output_final_state,
+                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                           safe_gate=True, lower_bound=self.cfg.gate_lower_bound)
         else:
-            g = kda_gate(graw, self.A_log, self.dt_bias, self.cfg.gate_lower_bound)
+            g = kda_gate(graw, A_log, dt_bias, self.cfg.gate_lower_bound)
             beta = torch.sigmoid(blogit.to(acc_dtype(blogit)))
             fn = kda_recurrent if impl == "recurrent" else kda_chunked
             kw = {} if impl == "recurrent" else {"chunk_size": self.cfg.kda_chunk_size}
             o, state = fn(l2norm(q), l2norm(k), v, g, beta, scale=d ** -0.5, initial_state=initial_state,
                           output_final_state=output_final_state, **kw)
-        ct = acc_dtype(x)
-        o = rms_norm(o.to(ct), self.o_norm.weight, self.o_norm.eps)
-        o = o * torch.sigmoid(self.output_gate(x).to(ct).view(B, T, H, d))
-        out = self.o_proj(o.reshape(B, T, H * d).to(x.dtype))
+        o = rms_norm(o.to(acc_dtype(q)), self.o_norm.weight, self.o_norm.eps)
+        return o, state
+
+    def output(self, o, gate, dtype):
+        """Gated output projection: o_proj(o * sigmoid(gate)); o, gate [B, T, H, d]."""
+        B, T, H, d = o.shape
+        o = o.to(acc_dtype(o)) * torch.sigmoid(gate.to(acc_dtype(o)))
+        return self.o_proj(o.reshape(B, T, H * d).to(dtype))
+
+    def forward(self, x: torch.Tensor, initial_state=None, conv_caches=None, output_final_state: bool = False,
+                impl: str = "auto"):
+        """x [B, T, D] -> [B, T, D]. ``impl``: "auto" (fla on CUDA if installed, else chunked), "chunked",
+        "recurrent" or "fla". ``initial_state``/``conv_caches`` carry state in from earlier tokens."""
+        q, k, v, graw, blogit, gate = self.project(x)
+        o, state = self.mix(q, k, v, graw, blogit, initial_state=initial_state, conv_caches=conv_caches,
+                            output_final_state=output_final_state, impl=impl)
+        out = self.output(o, gate, x.dtype)
         return (out, state) if output_final_state else out

@@ -65,12 +65,19 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
         return q, k, v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.project_qkv(x)
-        o = causal_attention(q, k, v, scale=(self.nope + self.rope) ** -0.5)
-        o = o.reshape(B, T, self.num_heads * self.vdim)
+    def attend(self, q, k, v):
+        """Causal softmax attention over the full sequence: [B, T, h, *] -> [B, T, h, v_head_dim]."""
+        return causal_attention(q, k, v, scale=(self.nope + self.rope) ** -0.5)
+
+    def output(self, o, x):
+        """Output gate and projection; o [B, T, H, v], x the layer input (for the gate)."""
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, -1)
         if self.cfg.mla_use_output_gate:
             ct = acc_dtype(x)
             o = (o.to(ct) * torch.sigmoid(self.g_proj(x).to(ct))).to(x.dtype)
         return self.o_proj(o)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        return self.output(self.attend(q, k, v), x)

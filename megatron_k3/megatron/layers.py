@@ -1,0 +1,253 @@
+"""K3 layers as megatron-core modules: tensor, sequence, context and expert parallel.
+
+The math is the golden model's (``megatron_k3.model``): each parallel module here *is* the golden module
+built at its shard's size (a tensor-parallel rank holds ``heads / TP`` whole heads, ``width / TP`` FFN
+columns), with the parameter names of the release, plus the communication of ``comm.py`` around the math.
+Hidden states are sequence-first ``[S_local, B, D]`` (megatron's convention).
+
+Parameter kinds, marked for megatron's DDP, grad-norm and checkpointing:
+- sharded over TP (``tensor_model_parallel=True``, ``partition_dim``): head-/column-split weights;
+- TP-partial (``k3_tp_partial=True``): replicated weights that feed only this rank's heads (KDA's
+  ``f_a_proj``/``o_norm``, MLA's low-rank down projections and their norms); their gradients are summed
+  over TP by ``finalize_k3_grads``;
+- per-token replicated (norms, AttnRes, latent projections, router): under sequence parallelism each rank
+  sees a sequence shard, so they carry ``sequence_parallel=True`` and megatron sums them over TP;
+- experts (``allreduce=False``): reduced over the expert-data-parallel group.
+
+Stable LatentMoE runs on megatron's ``MoELayer`` (sigmoid ``TopKRouter`` with expert bias, all-to-all
+dispatcher, ``SequentialMLP`` experts with the SiTU-GLU activation module); megatron's latent projections
+require Transformer Engine and have no norm, so this layer adds its own down/up projections and the latent
+RMSNorm around dispatch and combine. Shared experts are a tensor-parallel SiTU-GLU MLP beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from torch import nn
+
+from ..model.kda import KimiDeltaAttention
+from ..model.k3 import K3DecoderLayer
+from ..model.mla import GatedMLA
+from ..model.moe import MLP
+from ..model.common import Linear, RMSNorm
+from ..model.situ import silu_glu, situ_glu
+from .comm import ParallelCtx, cp_head_slice, cp_heads_to_seq, cp_seq_to_heads, tp_enter, tp_exit
+
+
+def local_config(cfg, tp: int):
+    """The golden config at one tensor-parallel shard's size (no validation: it is not a model of its own)."""
+    return dataclasses.replace(
+        cfg, kda_num_heads=cfg.kda_num_heads // tp, num_attention_heads=cfg.num_attention_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp)
+
+
+def mark_tp(p: nn.Parameter, dim: int, stride: int = 1):
+    set_tensor_model_parallel_attributes(p, True, dim, stride)
+
+
+def mark_tp_partial(p: nn.Parameter):
+    p.k3_tp_partial = True
+
+
+def mark_replicated(module: nn.Module, ctx: ParallelCtx):
+    """Per-token replicated parameters: summed over TP by megatron when sequence parallel is on."""
+    for p in module.parameters(recurse=False):
+        p.sequence_parallel = ctx.sp
+
+
+def _seq_first(t):
+    return t.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+class ParallelKDA(KimiDeltaAttention):
+    """KDA on ``H / TP`` heads per rank; CP by head-wise all-to-all."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0):
+        super().__init__(local_config(cfg, ctx.tp), layer_idx)
+        self.ctx = ctx
+        for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "q_conv1d", "k_conv1d", "v_conv1d"):
+            mark_tp(getattr(self, name).weight, 0)
+        mark_tp(self.A_log, 0)
+        mark_tp(self.dt_bias, 0)
+        if cfg.use_full_rank_gate:
+            mark_tp(self.g_proj.weight, 0)
+        else:
+            mark_tp(self.g_b_proj.weight, 0)
+            mark_tp_partial(self.g_a_proj.weight)
+        mark_tp(self.o_proj.weight, 1)
+        mark_tp_partial(self.f_a_proj.weight)
+        mark_tp_partial(self.o_norm.weight)
+
+    def forward(self, x):  # [s, B, D]
+        ctx = self.ctx
+        xb = _seq_first(tp_enter(x, ctx))                                  # [B, S_cp, D]
+        q, k, v, graw, blogit, gate = self.project(xb)
+        heads = None
+        if ctx.cp > 1:
+            q, k, v, graw, blogit = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v, graw, blogit))
+            heads = cp_head_slice(self.num_heads, ctx)
+        o, _ = self.mix(q, k, v, graw, blogit, heads=heads)
+        if ctx.cp > 1:
+            o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
+        out = self.output(o, gate, xb.dtype)                               # partial sum over TP
+        return tp_exit(_seq_first(out).contiguous(), ctx)
+
+
+class ParallelMLA(GatedMLA):
+    """Gated NoPE MLA on ``H / TP`` heads per rank; CP by head-wise all-to-all."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0):
+        super().__init__(local_config(cfg, ctx.tp), layer_idx)
+        self.ctx = ctx
+        if cfg.q_lora_rank is not None:
+            mark_tp(self.q_b_proj.weight, 0)
+            for p in (self.q_a_proj.weight, self.q_a_layernorm.weight):
+                mark_tp_partial(p)
+        else:
+            mark_tp(self.q_proj.weight, 0)
+        mark_tp(self.kv_b_proj.weight, 0)
+        for p in (self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight):
+            mark_tp_partial(p)
+        mark_tp(self.o_proj.weight, 1)
+        if cfg.mla_use_output_gate:
+            mark_tp(self.g_proj.weight, 0)
+
+    def forward(self, x):
+        ctx = self.ctx
+        xb = _seq_first(tp_enter(x, ctx))
+        q, k, v = self.project_qkv(xb)                                     # [B, S_cp, H_tp, *]
+        if ctx.cp > 1:
+            q, k, v = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v))
+        o = self.attend(q, k, v)
+        if ctx.cp > 1:
+            o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
+        return tp_exit(_seq_first(self.output(o, xb)).contiguous(), ctx)
+
+
+class ParallelMLP(MLP):
+    """SiTU-GLU MLP (dense layers and shared experts) with ``width / TP`` columns per rank."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, hidden: int, width: int):
+        super().__init__(cfg, hidden, width // ctx.tp)
+        self.ctx = ctx
+        mark_tp(self.gate_proj.weight, 0)
+        mark_tp(self.up_proj.weight, 0)
+        mark_tp(self.down_proj.weight, 1)
+
+    def forward(self, x):
+        return tp_exit(super().forward(tp_enter(x, self.ctx)), self.ctx)
+
+
+# ---------------------------------------------------------------------------------------------------------
+class GLUActivation(nn.Module):
+    """The expert activation on megatron's fc1 output [.., 2F] = [gate; up] (gate half first)."""
+
+    def __init__(self, *, config=None, hidden_act: str = "situ", beta: float = 4.0, linear_beta: float = 25.0):
+        super().__init__()
+        self.hidden_act, self.beta, self.linear_beta = hidden_act, beta, linear_beta
+
+    def forward(self, x):
+        if self.hidden_act == "situ":
+            return situ_glu(x, self.beta, self.linear_beta)
+        return silu_glu(x)
+
+
+class K3Router(TopKRouter):
+    """megatron's sigmoid top-k router; token counting without torch.compile (20 s per process on CPU).
+
+    Counts accumulate over every micro-batch of a step (and megatron all-reduces them over TP x DP x CP
+    before the bias update in ``finalize_model_grads``)."""
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & (~padding_mask)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def _build_experts(num_local_experts, config, *, pg_collection=None, name=None, expert_config=None,
+                   submodules=None):
+    return SequentialMLP(num_local_experts, expert_config, submodules=submodules, pg_collection=pg_collection,
+                         name=name)
+
+
+class ParallelLatentMoE(MoELayer):
+    """Stable LatentMoE on megatron's MoELayer (``block_sparse_moe``)."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_number: int | None = None):
+        act = functools.partial(GLUActivation, hidden_act=cfg.hidden_act, beta=cfg.activation_situ_beta,
+                                linear_beta=cfg.activation_situ_linear_beta)
+        mlp_sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=act)
+        expert_config = dataclasses.replace(tconfig, moe_latent_size=cfg.routed_expert_hidden_size)
+        experts = functools.partial(_build_experts, expert_config=expert_config, submodules=mlp_sub)
+        super().__init__(tconfig, MoESubmodules(experts=experts, router=K3Router), layer_number=layer_number)
+        self.k3cfg, self.ctx = cfg, ctx
+        self.latent = cfg.routed_expert_hidden_size is not None
+        D, L = cfg.hidden_size, cfg.expert_width
+        if self.latent:
+            from ..model.common import scaled_init_std
+
+            self.routed_expert_down_proj = Linear(D, L, cfg.init_std)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
+            self.routed_expert_up_proj = Linear(L, D, scaled_init_std(cfg.init_std, cfg.num_hidden_layers))
+            for m in (self.routed_expert_down_proj, self.routed_expert_up_proj, getattr(self, "routed_expert_norm", None)):
+                if m is not None:
+                    mark_replicated(m, ctx)
+        if cfg.num_shared_experts > 0:
+            self.shared_experts = ParallelMLP(cfg, ctx, D, cfg.num_shared_experts * cfg.moe_intermediate_size)
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        if self.latent:  # routing already ran on the full-width x; dispatch carries latent tokens
+            hidden_states = self.routed_expert_down_proj(hidden_states)
+        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def postprocess(self, output, shared_expert_output):
+        out = self.token_dispatcher.combine_postprocess(output)
+        if self.latent:
+            if self.k3cfg.latent_moe_use_norm:
+                out = self.routed_expert_norm(out)
+            out = self.routed_expert_up_proj(out)
+        return out
+
+    def forward(self, x):
+        out, _ = super().forward(x)
+        if self.k3cfg.num_shared_experts > 0:
+            out = out + self.shared_experts(x)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+class ParallelK3Layer(K3DecoderLayer):
+    """The golden decoder layer (norms, Attention Residuals, residual stream) with parallel mixers/FFNs."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_idx: int, kind=None, moe=None, attn_res=None):
+        self._build = (ctx, tconfig)
+        super().__init__(cfg, layer_idx, kind=kind, moe=moe, attn_res=attn_res)
+        del self._build
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
+                     "self_attention_res_proj", "mlp_res_norm", "mlp_res_proj"):
+            if hasattr(self, name):
+                mark_replicated(getattr(self, name), ctx)
+
+    # the golden constructor asks these factories for its mixers and FFNs
+    def make_attention(self, cfg, layer_idx):
+        ctx, _ = self._build
+        return ParallelKDA(cfg, ctx, layer_idx) if self.kind == "kda" else ParallelMLA(cfg, ctx, layer_idx)
+
+    def make_moe(self, cfg):
+        ctx, tconfig = self._build
+        return ParallelLatentMoE(cfg, ctx, tconfig, layer_number=self.layer_idx + 1)
+
+    def make_mlp(self, cfg):
+        ctx, _ = self._build
+        return ParallelMLP(cfg, ctx, cfg.hidden_size, cfg.intermediate_size)

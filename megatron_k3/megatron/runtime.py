@@ -1,0 +1,161 @@
+"""Process setup, model construction per pipeline stage, DDP/optimizer wrapping and the train step glue.
+
+Used by ``tools/verify_parallel.py`` now and by the trainer later. On a machine without CUDA everything
+runs on the CPU with gloo through ``megatron_k3.compat`` (the only module that knows).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import compat
+from ..layout import ParallelLayout
+from ..model.k3 import IGNORE_INDEX
+
+
+def init_distributed(layout: ParallelLayout, seed: int = 1234) -> torch.device:
+    """Join the process group (env:// rendezvous) and build megatron's parallel state for ``layout``."""
+    device = compat.setup_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(compat.backend(), timeout=timedelta(minutes=10))
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return device
+
+
+def destroy():
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def stage_ranges(cfg, layout: ParallelLayout) -> list[tuple[int, int, bool, bool, int | None]]:
+    """This rank's (virtual) stages: (layer_start, layer_end, pre_process, post_process, vp_stage)."""
+    from megatron.core import parallel_state as ps
+
+    bounds = layout.stage_boundaries(cfg.num_hidden_layers)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    out = []
+    for v in range(layout.vpp):
+        s = v * layout.pp + pp_rank
+        out.append((bounds[s], bounds[s + 1], s == 0, s == layout.num_stages - 1, v if layout.vpp > 1 else None))
+    return out
+
+
+def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, device=None, **tconfig_overrides):
+    from .comm import ParallelCtx
+    from .model import K3MegatronModel
+    from .tconfig import build_transformer_config
+
+    tconfig = build_transformer_config(cfg, layout, params_dtype, **tconfig_overrides)
+    ctx = ParallelCtx.from_parallel_state(layout.sequence_parallel)
+    chunks = []
+    for start, end, pre, post, vp in stage_ranges(cfg, layout):
+        m = K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp)
+        chunks.append(m.to(device=device or "cpu", dtype=params_dtype))
+    return chunks, tconfig
+
+
+def keep_fp32(chunks, dtype):
+    """Parameters the spec keeps in fp32 (KDA A_log/dt_bias/convs/o_norm) after a dtype cast."""
+    for c in chunks:
+        for mname, m in c.named_modules():
+            for pname in getattr(m, "fp32_params", ()):
+                p = m.get_parameter(pname)
+                p.data = p.data.float()
+
+
+def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    return [DistributedDataParallel(tconfig, ddp_config, c, disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+
+
+def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """megatron's finalize_model_grads, then the sum over TP of the TP-partial parameters' gradients
+    (replicated weights that each rank back-propagates through its own heads only)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = []
+    for chunk in model:
+        for p in chunk.parameters():
+            if getattr(p, "k3_tp_partial", False) and p.requires_grad:
+                g = getattr(p, "main_grad", None)
+                grads.append(g if g is not None else p.grad)
+    if grads:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+        for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(s)
+
+
+def build_optimizer(ddp_chunks, lr: float, weight_decay: float = 0.1, clip_grad: float = 1.0,
+                    use_distributed_optimizer: bool = False, bf16: bool = False, adam_eps: float = 1e-8):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    oc = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=0.9,
+                         adam_beta2=0.95, adam_eps=adam_eps, clip_grad=clip_grad, bf16=bf16,
+                         use_distributed_optimizer=use_distributed_optimizer)
+    return get_megatron_optimizer(oc, ddp_chunks, config_overrides={})
+
+
+def cp_slice(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """This context-parallel rank's contiguous part of the sequence axis."""
+    from megatron.core import parallel_state as ps
+
+    cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    if cp == 1:
+        return t
+    n = t.shape[dim] // cp
+    return t.narrow(dim, r * n, n)
+
+
+def make_forward_step(mtp_loss_weight: float = 0.1):
+    """megatron forward_step: batches are dicts with full-sequence ``tokens``/``labels`` [B, S] (and, with MTP,
+    ``mtp_tokens``/``mtp_labels`` [K, B, S] already shifted on the full sequence)."""
+
+    def forward_step(data_iterator, model):
+        from megatron.core.utils import get_attr_wrapped_model
+
+        batch = next(data_iterator)
+        pre = get_attr_wrapped_model(model, "pre_process")
+        post = get_attr_wrapped_model(model, "post_process")
+        dev = get_attr_wrapped_model(model, "lm_head").weight.device if post else None
+        labels = cp_slice(batch["labels"]) if post else None
+        kw = {}
+        if "mtp_tokens" in batch and post:
+            kw = {"mtp_input_ids": [cp_slice(t) for t in batch["mtp_tokens"]],
+                  "mtp_labels": [cp_slice(t) for t in batch["mtp_labels"]]}
+        out = model(input_ids=cp_slice(batch["tokens"]) if pre else None, labels=labels, **kw)
+        if not post:
+            return out, None
+        lm, mtp_sums = out
+        total = lm + (mtp_loss_weight * torch.stack(mtp_sums).mean() if mtp_sums else 0.0)
+        n = (labels != IGNORE_INDEX).sum().to(torch.int)
+        if dev is not None:
+            n = n.to(dev)
+
+        def loss_func(output_tensor):
+            return output_tensor, n, {"lm_sum": lm.detach(), "mtp_sums": [s.detach() for s in mtp_sums], "n": n}
+
+        return total, loss_func
+
+    return forward_step
