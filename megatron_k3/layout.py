@@ -12,7 +12,8 @@ Rules checked before any rank starts (each failure is one ``LayoutError`` line):
 - pipeline stages (and virtual stages) hold whole Attention-Residual blocks: every stage boundary is a
   multiple of ``attn_res_block_size`` layers;
 - the sequence length is divisible by 2 x CP (and by TP under sequence parallelism);
-- MoE with TP > 1 needs sequence parallelism (megatron-core's rule);
+- with sequence parallelism or MoE under TP, TP divides the per-CP-rank sequence (MoE layers shard tokens
+  over TP themselves when the model is not sequence parallel: megatron-core's MoE requires it);
 - global batch = micro batch x DP x (number of micro-batches), and PP > 1 needs >= PP micro-batches.
 """
 from __future__ import annotations
@@ -94,8 +95,6 @@ class ParallelLayout:
             need(cfg.num_experts % self.ep == 0, f"EP={self.ep} must divide the routed experts ({cfg.num_experts})")
             shared = cfg.num_shared_experts * cfg.moe_intermediate_size
             need(shared % self.tp == 0, f"TP={self.tp} must divide the shared-expert width ({shared})")
-            if self.tp > 1:
-                need(self.sequence_parallel, "MoE with TP > 1 needs --sequence-parallel (megatron-core's rule)")
         need(self.vpp == 1 or self.pp > 1, "virtual pipeline stages (VPP > 1) need PP > 1")
         counts = self.stage_layer_counts(cfg.num_hidden_layers)
         need(len(counts) == self.num_stages,
@@ -113,10 +112,10 @@ class ParallelLayout:
         if seq_length is not None:
             need(seq_length % (2 * self.cp) == 0,
                  f"sequence length {seq_length} must be divisible by 2*CP = {2 * self.cp}")
-            if self.sequence_parallel:
+            if self.sequence_parallel or cfg.num_experts > 0:
                 need((seq_length // self.cp) % self.tp == 0,
                      f"sequence length per CP rank ({seq_length // self.cp}) must be divisible by TP={self.tp} "
-                     "under sequence parallelism")
+                     "(sequence parallelism / MoE token sharding)")
         if global_batch_size is not None and micro_batch_size is not None:
             per_step = micro_batch_size * self.dp
             need(global_batch_size % per_step == 0,

@@ -134,6 +134,10 @@ def _worker(rank, world, port, tmpdir, cfg_dict, layouts, args_dict):
             adapter.load_hf_state_dict(c, init_sd, tp_rank)
         ddp = wrap_ddp(chunks, tconfig, distopt)
         tconfig.finalize_model_grads_func = finalize_k3_grads
+        if os.environ.get("K3_VERIFY_FAULT") == "skip_tp_partial_sum":  # self-test: the check must catch this
+            from megatron.core.distributed import finalize_model_grads
+
+            tconfig.finalize_model_grads_func = finalize_model_grads
         tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
         opt = build_optimizer(ddp, lr=args.lr, clip_grad=args.clip_grad, use_distributed_optimizer=distopt,
                               adam_eps=args.adam_eps)

@@ -65,8 +65,9 @@ def tp_exit(y: torch.Tensor, ctx: ParallelCtx) -> torch.Tensor:
 
 def _a2a(x: torch.Tensor, group) -> torch.Tensor:
     """all_to_all over dim 0 (equal chunks): out[r] = chunk this rank receives from rank r."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 

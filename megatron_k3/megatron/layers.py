@@ -25,6 +25,7 @@ import dataclasses
 import functools
 
 import torch
+from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -187,10 +188,14 @@ class ParallelLatentMoE(MoELayer):
         act = functools.partial(GLUActivation, hidden_act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                                 linear_beta=cfg.activation_situ_linear_beta)
         mlp_sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=act)
+        # megatron's MoE under TP needs sequence-sharded tokens; without SP this layer shards them itself.
+        self_sp = ctx.tp > 1 and not ctx.sp
+        if self_sp:
+            tconfig = dataclasses.replace(tconfig, sequence_parallel=True)
         expert_config = dataclasses.replace(tconfig, moe_latent_size=cfg.routed_expert_hidden_size)
         experts = functools.partial(_build_experts, expert_config=expert_config, submodules=mlp_sub)
         super().__init__(tconfig, MoESubmodules(experts=experts, router=K3Router), layer_number=layer_number)
-        self.k3cfg, self.ctx = cfg, ctx
+        self.k3cfg, self.ctx, self.self_sp = cfg, ctx, self_sp
         self.latent = cfg.routed_expert_hidden_size is not None
         D, L = cfg.hidden_size, cfg.expert_width
         if self.latent:
@@ -203,6 +208,9 @@ class ParallelLatentMoE(MoELayer):
             for m in (self.routed_expert_down_proj, self.routed_expert_up_proj, getattr(self, "routed_expert_norm", None)):
                 if m is not None:
                     mark_replicated(m, ctx)
+        if self_sp:  # per-token params on a sequence shard, but the model is not SP: sum their grads ourselves
+            for p in [self.router.weight] + [p for n, p in self.named_parameters() if n.startswith("routed_expert_")]:
+                mark_tp_partial(p)
         if cfg.num_shared_experts > 0:
             self.shared_experts = ParallelMLP(cfg, ctx, D, cfg.num_shared_experts * cfg.moe_intermediate_size)
 
@@ -220,7 +228,11 @@ class ParallelLatentMoE(MoELayer):
         return out
 
     def forward(self, x):
-        out, _ = super().forward(x)
+        if self.self_sp:
+            xs = mappings.scatter_to_sequence_parallel_region(x, self.ctx.tp_group)
+            out = mappings.gather_from_sequence_parallel_region(super().forward(xs)[0], False, self.ctx.tp_group)
+        else:
+            out, _ = super().forward(x)
         if self.k3cfg.num_shared_experts > 0:
             out = out + self.shared_experts(x)
         return out
