@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""GPU numerics check (one command on the H200): fast paths against the plain-PyTorch reference.
+
+1. KDA kernel: fla ``chunk_kda`` (safe gate, lower bound -5, gate/beta/L2 norm fused in the kernel) against
+   ``kda_chunked`` on the same KDA layer weights and inputs, fp32 and bf16, forward and input/weight grads.
+2. The megatron K3 model (TP1 on one GPU, bf16 parameters except the fp32 KDA parameters, fla kernels)
+   against the golden model in fp32 on the CPU with the same weights: loss, logits and every gradient
+   (gathered through the HF adapter).
+
+Prints a JSON report (and writes it to ``--out``). Errors are relative Frobenius norms ``||a-b|| / ||b||``.
+
+    source .gpu/bin/on_device.sh --no-te && python3 tools/gpu_check.py --out $OUT/gpu_check.json
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    n = b.norm().item()
+    return (a - b).norm().item() / n if n > 0 else (a - b).norm().item()
+
+
+def gpu_config():
+    from megatron_k3.config import get_preset
+
+    return get_preset("k3-tiny", hidden_size=256, kda_num_heads=4, kda_head_dim=64, kda_chunk_size=64,
+                      num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+                      qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=64,
+                      routed_expert_hidden_size=64, vocab_size=1024, seq_length=256)
+
+
+def check_kda_kernel(cfg, report):
+    from megatron_k3.model.kda import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(cfg)
+    gen = torch.Generator().manual_seed(1)
+    for m in layer.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters(gen)
+    layer = layer.cuda()
+    x0 = torch.randn(2, 512, cfg.hidden_size, device="cuda")
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        res = {}
+        for impl in ("fla", "chunked"):
+            lay = KimiDeltaAttention(cfg).cuda()
+            lay.load_state_dict(layer.state_dict())
+            if dt == torch.bfloat16:
+                for n, p in lay.named_parameters():
+                    if n not in KimiDeltaAttention.fp32_params:
+                        p.data = p.data.to(dt)
+            x = x0.detach().to(dt).clone().requires_grad_()
+            for _ in range(2 if impl == "fla" else 1):  # first fla call autotunes
+                y = lay(x, impl=impl)
+            y.float().pow(2).mean().backward()
+            res[impl] = (y.detach(), x.grad.detach(), {n: p.grad.detach() for n, p in lay.named_parameters()})
+        name = "fp32" if dt == torch.float32 else "bf16"
+        out[name] = {"forward": rel(res["fla"][0], res["chunked"][0]),
+                     "grad_input": rel(res["fla"][1], res["chunked"][1]),
+                     "grad_weights_max": max(rel(res["fla"][2][n], res["chunked"][2][n]) for n in res["fla"][2])}
+    report["kda_kernel_fla_vs_chunked"] = out
+
+
+def check_megatron_model(cfg, report):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from megatron.core import parallel_state as ps
+
+    from megatron_k3.layout import ParallelLayout
+    from megatron_k3.megatron import adapter
+    from megatron_k3.megatron.runtime import build_model_chunks, init_distributed, keep_fp32
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.model.k3 import IGNORE_INDEX
+
+    layout = ParallelLayout()
+    device = init_distributed(layout, seed=7)
+    golden = K3ForCausalLM(cfg, seed=7)
+    sd = {k: v.clone() for k, v in golden.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1), generator=g)
+    ids, labels = toks[:, :-1], toks[:, 1:].clone()
+    labels[:, ::9] = IGNORE_INDEX
+    out = golden(ids, labels)
+    out["loss"].backward()
+    g_grads = {n: p.grad for n, p in golden.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        g_logits = golden(ids)
+    # bf16 noise floor: the golden model itself in bf16 (fp32 KDA parameters kept), on the CPU
+    gb = K3ForCausalLM(cfg, seed=7).to_compute_dtype(torch.bfloat16)
+    outb = gb(ids, labels)
+    outb["loss"].backward()
+    fb = {n: rel(p.grad.float(), g_grads[n]) for n, p in gb.named_parameters() if p.grad is not None and n in g_grads}
+    with torch.no_grad():
+        floor = {"loss_rel_err": abs(outb["lm_loss"].item() - out["lm_loss"].item()) / out["lm_loss"].item(),
+                 "logits_rel_err": rel(gb(ids).float(), g_logits),
+                 "grad_rel_err_median": sorted(fb.values())[len(fb) // 2], "grad_rel_err_max": max(fb.values())}
+    report["bf16_noise_floor_golden_cpu"] = floor
+
+    res = {}
+    for dt in (torch.float32, torch.bfloat16):
+        chunks, _ = build_model_chunks(cfg, layout, params_dtype=dt, device=device)
+        m = chunks[0]
+        keep_fp32(chunks, dt)  # before loading: A_log/dt_bias/convs/o_norm must not pass through bf16
+        adapter.load_hf_state_dict(m, sd, 0)
+        lm, _ = m(input_ids=ids.to(device), labels=labels.to(device))
+        n = (labels != IGNORE_INDEX).sum().item()
+        (lm / n).backward()
+        pieces = adapter.local_pieces(m, 0, {k: v.shape for k, v in sd.items()}, grads=True)
+        full, covered = adapter.assemble(pieces, {k: v.shape for k, v in sd.items()})
+        grad_errs = {k: rel(full[k], v) for k, v in g_grads.items() if k in full}
+        with torch.no_grad():
+            logits = m(input_ids=ids.to(device))
+        name = "fp32" if dt == torch.float32 else "bf16"
+        worst = max(grad_errs, key=grad_errs.get)
+        res[name] = {"loss_megatron": lm.item() / n, "loss_golden_cpu_fp32": out["lm_loss"].item(),
+                     "loss_rel_err": abs(lm.item() / n - out["lm_loss"].item()) / out["lm_loss"].item(),
+                     "logits_rel_err": rel(logits.float(), g_logits), "grad_rel_err_max": grad_errs[worst],
+                     "grad_rel_err_worst_param": worst,
+                     "grad_rel_err_median": sorted(grad_errs.values())[len(grad_errs) // 2],
+                     "params_compared": len(grad_errs)}
+        del chunks, m
+    report["megatron_model_vs_golden"] = res
+    # verdict: fp32 matches to fp32/TF32 round-off; bf16 is within 2x the golden model's own bf16 error
+    b, f = res["bf16"], res["fp32"]
+    report["pass"] = bool(f["loss_rel_err"] < 1e-4 and f["logits_rel_err"] < 1e-3 and f["grad_rel_err_median"] < 1e-3
+                          and b["loss_rel_err"] <= 2 * floor["loss_rel_err"] + 1e-3
+                          and b["logits_rel_err"] <= 2 * floor["logits_rel_err"]
+                          and b["grad_rel_err_median"] <= 2 * floor["grad_rel_err_median"])
+    ps.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: gpu_check.py needs a CUDA GPU")
+    cfg = gpu_config()
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "command": "source .gpu/bin/on_device.sh --no-te && python3 tools/gpu_check.py --out $OUT/gpu_check.json",
+              "config": "k3-tiny widened: hidden 256, KDA 4x64, MLA 4 heads, 8 layers, seq 256, batch 4"}
+    try:
+        import fla
+
+        report["fla"] = fla.__version__
+    except Exception as e:  # noqa: BLE001
+        report["fla"] = f"unavailable: {e}"
+    check_kda_kernel(cfg, report)
+    check_megatron_model(cfg, report)
+    txt = json.dumps(report, indent=1)
+    print(txt)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(txt + "\n")
+
+
+if __name__ == "__main__":
+    main()
