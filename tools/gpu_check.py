@@ -128,9 +128,12 @@ def check_megatron_model(cfg, report):
                      "params_compared": len(grad_errs)}
         del chunks, m
     report["megatron_model_vs_golden"] = res
-    # verdict: fp32 matches to fp32/TF32 round-off; bf16 is within 2x the golden model's own bf16 error
+    # verdict: fp32 matches to TF32 round-off (fla's Triton kernels use TF32 dots: ~1e-3 per KDA layer, see
+    # kda_kernel_fla_vs_chunked.fp32); bf16 is within 2x the golden model's own bf16 error (the noise floor)
     b, f = res["bf16"], res["fp32"]
-    report["pass"] = bool(f["loss_rel_err"] < 1e-4 and f["logits_rel_err"] < 1e-3 and f["grad_rel_err_median"] < 1e-3
+    report["criteria"] = ("fp32: loss < 1e-4, logits and median grad < 1e-2 (TF32 kernels); bf16: loss, logits and "
+                          "median grad <= 2x the golden model's own bf16-vs-fp32 error (+1e-3 on the loss)")
+    report["pass"] = bool(f["loss_rel_err"] < 1e-4 and f["logits_rel_err"] < 1e-2 and f["grad_rel_err_median"] < 1e-2
                           and b["loss_rel_err"] <= 2 * floor["loss_rel_err"] + 1e-3
                           and b["logits_rel_err"] <= 2 * floor["logits_rel_err"]
                           and b["grad_rel_err_median"] <= 2 * floor["grad_rel_err_median"])
