@@ -76,7 +76,7 @@ def check_megatron_model(cfg, report):
 
     from megatron_k3.layout import ParallelLayout
     from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import build_model_chunks, init_distributed, keep_fp32
+    from megatron_k3.megatron.runtime import build_model_chunks, init_distributed
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.model.k3 import IGNORE_INDEX
 
@@ -108,7 +108,6 @@ def check_megatron_model(cfg, report):
     for dt in (torch.float32, torch.bfloat16):
         chunks, _ = build_model_chunks(cfg, layout, params_dtype=dt, device=device)
         m = chunks[0]
-        keep_fp32(chunks, dt)  # before loading: A_log/dt_bias/convs/o_norm must not pass through bf16
         adapter.load_hf_state_dict(m, sd, 0)
         lm, _ = m(input_ids=ids.to(device), labels=labels.to(device))
         n = (labels != IGNORE_INDEX).sum().item()

@@ -243,7 +243,7 @@ class ParallelK3Layer(K3DecoderLayer):
     """The golden decoder layer (norms, Attention Residuals, residual stream) with parallel mixers/FFNs."""
 
     def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_idx: int, kind=None, moe=None, attn_res=None):
-        self._build = (ctx, tconfig)
+        self._build = (ctx, tconfig)  # read by the factories below while the golden constructor runs
         super().__init__(cfg, layer_idx, kind=kind, moe=moe, attn_res=attn_res)
         del self._build
         for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",

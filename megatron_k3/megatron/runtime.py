@@ -65,10 +65,11 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
     for start, end, pre, post, vp in stage_ranges(cfg, layout):
         m = K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp)
         chunks.append(m.to(device=device or "cpu", dtype=params_dtype))
+    keep_fp32(chunks)
     return chunks, tconfig
 
 
-def keep_fp32(chunks, dtype):
+def keep_fp32(chunks):
     """Parameters the spec keeps in fp32 (KDA A_log/dt_bias/convs/o_norm) after a dtype cast."""
     for c in chunks:
         for mname, m in c.named_modules():
