@@ -10,6 +10,6 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def root():
     return ROOT

@@ -32,13 +32,14 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..model.kda import KimiDeltaAttention
 from ..model.k3 import K3DecoderLayer
 from ..model.mla import GatedMLA
 from ..model.moe import MLP
 from ..model.common import Linear, RMSNorm
-from ..model.situ import silu_glu, situ_glu
+from ..model.situ import glu_activation, silu_glu, situ_glu
 from .comm import ParallelCtx, cp_head_slice, cp_heads_to_seq, cp_seq_to_heads, tp_enter, tp_exit
 
 
@@ -67,13 +68,20 @@ def _seq_first(t):
     return t.transpose(0, 1)
 
 
+def recomputed(fn, *args, enabled: bool = False):
+    """``fn(*args)``, its activations recomputed in backward when ``enabled`` (selective recompute)."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 # ---------------------------------------------------------------------------------------------------------
 class ParallelKDA(KimiDeltaAttention):
     """KDA on ``H / TP`` heads per rank; CP by head-wise all-to-all."""
 
-    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0):
+    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0, recompute: bool = False):
         super().__init__(local_config(cfg, ctx.tp), layer_idx)
-        self.ctx = ctx
+        self.ctx, self.recompute = ctx, recompute
         for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "q_conv1d", "k_conv1d", "v_conv1d"):
             mark_tp(getattr(self, name).weight, 0)
         mark_tp(self.A_log, 0)
@@ -95,7 +103,7 @@ class ParallelKDA(KimiDeltaAttention):
         if ctx.cp > 1:
             q, k, v, graw, blogit = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v, graw, blogit))
             heads = cp_head_slice(self.num_heads, ctx)
-        o, _ = self.mix(q, k, v, graw, blogit, heads=heads)
+        o, _ = recomputed(self.mix, q, k, v, graw, blogit, heads, enabled=self.recompute)
         if ctx.cp > 1:
             o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
         out = self.output(o, gate, xb.dtype)                               # partial sum over TP
@@ -105,9 +113,9 @@ class ParallelKDA(KimiDeltaAttention):
 class ParallelMLA(GatedMLA):
     """Gated NoPE MLA on ``H / TP`` heads per rank; CP by head-wise all-to-all."""
 
-    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0):
+    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0, recompute: bool = False):
         super().__init__(local_config(cfg, ctx.tp), layer_idx)
-        self.ctx = ctx
+        self.ctx, self.recompute = ctx, recompute
         if cfg.q_lora_rank is not None:
             mark_tp(self.q_b_proj.weight, 0)
             for p in (self.q_a_proj.weight, self.q_a_layernorm.weight):
@@ -127,7 +135,7 @@ class ParallelMLA(GatedMLA):
         q, k, v = self.project_qkv(xb)                                     # [B, S_cp, H_tp, *]
         if ctx.cp > 1:
             q, k, v = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v))
-        o = self.attend(q, k, v)
+        o = recomputed(self.attend, q, k, v, enabled=self.recompute)
         if ctx.cp > 1:
             o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
         return tp_exit(_seq_first(self.output(o, xb)).contiguous(), ctx)
@@ -136,29 +144,37 @@ class ParallelMLA(GatedMLA):
 class ParallelMLP(MLP):
     """SiTU-GLU MLP (dense layers and shared experts) with ``width / TP`` columns per rank."""
 
-    def __init__(self, cfg, ctx: ParallelCtx, hidden: int, width: int):
+    def __init__(self, cfg, ctx: ParallelCtx, hidden: int, width: int, recompute: bool = False):
         super().__init__(cfg, hidden, width // ctx.tp)
-        self.ctx = ctx
+        self.ctx, self.recompute = ctx, recompute
         mark_tp(self.gate_proj.weight, 0)
         mark_tp(self.up_proj.weight, 0)
         mark_tp(self.down_proj.weight, 1)
 
     def forward(self, x):
-        return tp_exit(super().forward(tp_enter(x, self.ctx)), self.ctx)
+        x = tp_enter(x, self.ctx)
+        c = self.cfg
+        h = recomputed(glu_activation, self.gate_proj(x), self.up_proj(x), c.hidden_act, c.activation_situ_beta,
+                       c.activation_situ_linear_beta, enabled=self.recompute)
+        return tp_exit(self.down_proj(h), self.ctx)
 
 
 # ---------------------------------------------------------------------------------------------------------
 class GLUActivation(nn.Module):
     """The expert activation on megatron's fc1 output [.., 2F] = [gate; up] (gate half first)."""
 
-    def __init__(self, *, config=None, hidden_act: str = "situ", beta: float = 4.0, linear_beta: float = 25.0):
+    def __init__(self, *, config=None, hidden_act: str = "situ", beta: float = 4.0, linear_beta: float = 25.0,
+                 recompute: bool = False):
         super().__init__()
-        self.hidden_act, self.beta, self.linear_beta = hidden_act, beta, linear_beta
+        self.hidden_act, self.beta, self.linear_beta, self.recompute = hidden_act, beta, linear_beta, recompute
 
-    def forward(self, x):
+    def _act(self, x):
         if self.hidden_act == "situ":
             return situ_glu(x, self.beta, self.linear_beta)
         return silu_glu(x)
+
+    def forward(self, x):
+        return recomputed(self._act, x, enabled=self.recompute)
 
 
 class K3Router(TopKRouter):
@@ -184,9 +200,9 @@ def _build_experts(num_local_experts, config, *, pg_collection=None, name=None, 
 class ParallelLatentMoE(MoELayer):
     """Stable LatentMoE on megatron's MoELayer (``block_sparse_moe``)."""
 
-    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_number: int | None = None):
+    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_number: int | None = None, recompute: bool = False):
         act = functools.partial(GLUActivation, hidden_act=cfg.hidden_act, beta=cfg.activation_situ_beta,
-                                linear_beta=cfg.activation_situ_linear_beta)
+                                linear_beta=cfg.activation_situ_linear_beta, recompute=recompute)
         mlp_sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=act)
         # megatron's MoE under TP needs sequence-sharded tokens; without SP this layer shards them itself.
         self_sp = ctx.tp > 1 and not ctx.sp
@@ -212,7 +228,8 @@ class ParallelLatentMoE(MoELayer):
             for p in [self.router.weight] + [p for n, p in self.named_parameters() if n.startswith("routed_expert_")]:
                 mark_tp_partial(p)
         if cfg.num_shared_experts > 0:
-            self.shared_experts = ParallelMLP(cfg, ctx, D, cfg.num_shared_experts * cfg.moe_intermediate_size)
+            self.shared_experts = ParallelMLP(cfg, ctx, D, cfg.num_shared_experts * cfg.moe_intermediate_size,
+                                              recompute=recompute)
 
     def preprocess(self, hidden_states, probs, routing_map):
         if self.latent:  # routing already ran on the full-width x; dispatch carries latent tokens
@@ -242,8 +259,10 @@ class ParallelLatentMoE(MoELayer):
 class ParallelK3Layer(K3DecoderLayer):
     """The golden decoder layer (norms, Attention Residuals, residual stream) with parallel mixers/FFNs."""
 
-    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_idx: int, kind=None, moe=None, attn_res=None):
-        self._build = (ctx, tconfig)  # read by the factories below while the golden constructor runs
+    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_idx: int, kind=None, moe=None, attn_res=None,
+                 recompute: str = "none"):
+        # read by the factories below while the golden constructor runs
+        self._build = (ctx, tconfig, recompute == "selective")
         super().__init__(cfg, layer_idx, kind=kind, moe=moe, attn_res=attn_res)
         del self._build
         for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
@@ -253,13 +272,14 @@ class ParallelK3Layer(K3DecoderLayer):
 
     # the golden constructor asks these factories for its mixers and FFNs
     def make_attention(self, cfg, layer_idx):
-        ctx, _ = self._build
-        return ParallelKDA(cfg, ctx, layer_idx) if self.kind == "kda" else ParallelMLA(cfg, ctx, layer_idx)
+        ctx, _, sel = self._build
+        cls = ParallelKDA if self.kind == "kda" else ParallelMLA
+        return cls(cfg, ctx, layer_idx, recompute=sel)
 
     def make_moe(self, cfg):
-        ctx, tconfig = self._build
-        return ParallelLatentMoE(cfg, ctx, tconfig, layer_number=self.layer_idx + 1)
+        ctx, tconfig, sel = self._build
+        return ParallelLatentMoE(cfg, ctx, tconfig, layer_number=self.layer_idx + 1, recompute=sel)
 
     def make_mlp(self, cfg):
-        ctx, _ = self._build
-        return ParallelMLP(cfg, ctx, cfg.hidden_size, cfg.intermediate_size)
+        ctx, _, sel = self._build
+        return ParallelMLP(cfg, ctx, cfg.hidden_size, cfg.intermediate_size, recompute=sel)

@@ -73,8 +73,9 @@ def vocab_parallel_chunked_ce(hidden, weight, targets, chunk_tokens: int = 4096)
 
 class K3MegatronModel(MegatronModule):
     def __init__(self, cfg, tconfig, ctx: ParallelCtx, layer_start: int, layer_end: int, pre_process: bool,
-                 post_process: bool, vp_stage: int | None = None):
+                 post_process: bool, vp_stage: int | None = None, recompute: str = "none"):
         super().__init__(config=tconfig)
+        self.recompute = recompute
         self.cfg, self.ctx = cfg, ctx
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process, self.post_process = pre_process, post_process
@@ -86,7 +87,7 @@ class K3MegatronModel(MegatronModule):
         D = cfg.hidden_size
         if pre_process:
             self.embed_tokens = VocabParallelEmbedding(cfg, ctx)
-        self.layers = nn.ModuleDict({str(i): ParallelK3Layer(cfg, ctx, tconfig, i)
+        self.layers = nn.ModuleDict({str(i): ParallelK3Layer(cfg, ctx, tconfig, i, recompute=recompute)
                                      for i in range(layer_start, layer_end)})
         if post_process:
             self.norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -102,7 +103,7 @@ class K3MegatronModel(MegatronModule):
                 moe = cfg.num_experts > 0
                 self.mtp_heads = nn.ModuleList(
                     MTPModule(cfg, lambda: ParallelK3Layer(cfg, ctx, tconfig, cfg.num_hidden_layers, kind="mla",
-                                                           moe=moe, attn_res=False))
+                                                           moe=moe, attn_res=False, recompute=recompute))
                     for _ in range(cfg.num_nextn_predict_layers))
                 for m in self.mtp_heads:
                     for sub in (m.enorm, m.hnorm, m.eh_proj, m.norm):
@@ -136,7 +137,10 @@ class K3MegatronModel(MegatronModule):
             assert len(parts) == nb + 1, f"received {len(parts)} hidden slices, expected {nb + 1}"
             h, blocks = parts[-1], (parts[:-1] if self.attn_res else None)
         for layer in self.layers.values():
-            h, blocks = layer(h, blocks)
+            if self.recompute == "full" and torch.is_grad_enabled():
+                h, blocks = checkpoint(layer, h, blocks, use_reentrant=False)
+            else:
+                h, blocks = layer(h, blocks)
         if not self.post_process:
             return torch.cat(list(blocks) + [h], dim=-1) if self.attn_res else h
         if self.attn_res:

@@ -54,7 +54,10 @@ def stage_ranges(cfg, layout: ParallelLayout) -> list[tuple[int, int, bool, bool
     return out
 
 
-def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, device=None, **tconfig_overrides):
+def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, device=None, recompute: str = "none",
+                       **tconfig_overrides):
+    """This rank's model chunks (one per virtual stage). ``recompute``: "none", "selective" (the token mixers'
+    cores and FFN activations are recomputed in backward) or "full" (whole layers)."""
     from .comm import ParallelCtx
     from .model import K3MegatronModel
     from .tconfig import build_transformer_config
@@ -63,7 +66,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
     ctx = ParallelCtx.from_parallel_state(layout.sequence_parallel)
     chunks = []
     for start, end, pre, post, vp in stage_ranges(cfg, layout):
-        m = K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp)
+        m = K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp, recompute=recompute)
         chunks.append(m.to(device=device or "cpu", dtype=params_dtype))
     keep_fp32(chunks)
     return chunks, tconfig
@@ -86,13 +89,46 @@ def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False):
     return [DistributedDataParallel(tconfig, ddp_config, c, disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
 
 
+def moe_routers(chunks):
+    """(layer name, router) for every MoE router of these chunks ("7" for layers.7, "mtp0" for MTP head 0)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    out = []
+    for c in chunks:
+        for name, m in c.named_modules():
+            if isinstance(m, TopKRouter):
+                parts = name.split(".")
+                key = parts[parts.index("layers") + 1] if "layers" in parts else f"mtp{parts[parts.index('mtp_heads') + 1]}"
+                out.append((key, m))
+    return out
+
+
 def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-    """megatron's finalize_model_grads, then the sum over TP of the TP-partial parameters' gradients
-    (replicated weights that each rank back-propagates through its own heads only)."""
+    """megatron's finalize_model_grads plus K3's pieces:
+
+    - before it: the step's expert token counts (accumulated by the routers over every micro-batch) are
+      summed over TP x DP x CP and handed to ``config.k3_capture_counts`` (a list) for routing metrics;
+    - megatron then applies the aux-loss-free sign update ``b += rate * sign(mean - count)`` from the same
+      all-reduced counts; afterwards the bias is re-centred to zero mean (equivalent to zero-centring each
+      update: top-k is invariant to a common shift, and a plain sign update drifts in common mode);
+    - the sum over TP of the TP-partial parameters' gradients (replicated weights that each rank
+      back-propagates through its own heads only)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
 
+    config = get_model_config(model[0])
+    routers = moe_routers(model)
+    capture = getattr(config, "k3_capture_counts", None)
+    if routers and capture is not None:
+        counts = torch.stack([r.local_tokens_per_expert.detach().double() for _, r in routers])
+        dist.all_reduce(counts, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        capture.extend((name, c.cpu()) for (name, _), c in zip(routers, counts))
     finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    with torch.no_grad():
+        for _, r in routers:
+            if r.expert_bias is not None:
+                r.expert_bias -= r.expert_bias.mean()
     if ps.get_tensor_model_parallel_world_size() == 1:
         return
     grads = []
@@ -109,11 +145,12 @@ def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_redu
 
 
 def build_optimizer(ddp_chunks, lr: float, weight_decay: float = 0.1, clip_grad: float = 1.0,
-                    use_distributed_optimizer: bool = False, bf16: bool = False, adam_eps: float = 1e-8):
+                    use_distributed_optimizer: bool = False, bf16: bool = False, adam_eps: float = 1e-8,
+                    beta1: float = 0.9, beta2: float = 0.95):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    oc = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=0.9,
-                         adam_beta2=0.95, adam_eps=adam_eps, clip_grad=clip_grad, bf16=bf16,
+    oc = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=beta1,
+                         adam_beta2=beta2, adam_eps=adam_eps, clip_grad=clip_grad, bf16=bf16,
                          use_distributed_optimizer=use_distributed_optimizer)
     return get_megatron_optimizer(oc, ddp_chunks, config_overrides={})
 

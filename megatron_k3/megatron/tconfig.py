@@ -58,6 +58,8 @@ def build_transformer_config(cfg: K3Config, layout: ParallelLayout, params_dtype
         overlap_p2p_comm=layout.vpp > 1,  # batched sends to the same peer mismatch under VPP (measured)
         deallocate_pipeline_outputs=False,
     )
+    if not moe:
+        overrides.pop("moe_router_bias_update_rate", None)
     if moe:
         kw.update(
             num_moe_experts=cfg.num_experts,

@@ -1,0 +1,1 @@
+"""Data: tokenizers, the zarr token store and the epoch-exact TokenLoader."""

@@ -1,0 +1,354 @@
+"""K3 pretraining on megatron-core: ``python -m megatron_k3.pretrain`` / ``launchers/pretrain_k3.py``.
+
+One process per GPU (or CPU rank) launched by torchrun/srun; run alone it is a world of one. Flags use
+megatron's names; ``--config FILE`` (YAML/TOML/JSON) may hold a ``model`` section (a preset name and/or
+K3Config fields) and a ``train`` section with any flag (``train-iters`` or ``train_iters``); flags given
+on the command line win. Everything is validated before the first forward pass.
+
+The loop, per step: take this DP rank's micro-batches from the TokenLoader, run megatron's schedule
+(1F1B / interleaved / no pipelining) with gradient accumulation over the micro-batches, finalize gradients
+(DP/TP reductions, the MoE bias sign update from the counts of *all* micro-batches and DP ranks, then
+re-centred to zero mean), clip, step AdamW, step the LR schedule (warmup given as a fraction of the steps),
+log loss / lr / grad norm / tokens/s and per-MoE-layer routing statistics to the console, the run's
+``metrics.jsonl`` and wandb (offline by default).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+from .cli import UsageError, friendly_errors
+from .config import ConfigError, get_preset, load_config
+from .layout import ParallelLayout
+
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="pretrain_k3", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--config", help="YAML/TOML/JSON with optional 'model' and 'train' sections")
+    a("--preset", default=None, help="model preset (k3-tiny, k3-mini, k3-full, kimi-linear-48b)")
+    # parallel layout (megatron names)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--virtual-pipeline-model-parallel-size", type=int, default=1)
+    a("--expert-model-parallel-size", type=int, default=1)
+    a("--context-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true")
+    a("--use-distributed-optimizer", action="store_true")
+    # batch and schedule
+    a("--micro-batch-size", type=int, default=4)
+    a("--global-batch-size", type=int, default=8)
+    a("--seq-length", type=int, default=None, help="default: the model config's seq_length")
+    a("--train-iters", type=int, default=300)
+    a("--lr", type=float, default=3e-3)
+    a("--min-lr", type=float, default=3e-4)
+    a("--lr-warmup-fraction", type=float, default=0.05, help="warmup steps = round(fraction x train iters)")
+    a("--lr-decay-style", choices=["cosine", "WSD", "linear", "constant"], default="cosine")
+    a("--lr-wsd-decay-fraction", type=float, default=0.2, help="WSD: fraction of the steps spent decaying")
+    a("--weight-decay", type=float, default=0.1)
+    a("--adam-beta1", type=float, default=0.9)
+    a("--adam-beta2", type=float, default=0.95)
+    a("--adam-eps", type=float, default=1e-8)
+    a("--clip-grad", type=float, default=1.0)
+    a("--bf16", action="store_true")
+    # model extras
+    a("--mtp-num-layers", type=int, default=None, help="MTP depth (default: the model config's)")
+    a("--mtp-loss-scaling-factor", type=float, default=0.1)
+    a("--recompute-granularity", choices=["none", "selective", "full"], default="none",
+      help="selective: recompute the token mixers' cores and FFN activations; full: whole layers")
+    a("--moe-router-bias-update-rate", type=float, default=1e-3,
+      help="aux-loss-free balancing step (sign update, zero-centred); 0 disables it")
+    # data
+    a("--data-path", default=None, help="zarr token store (tools/prepare_data.py); default: the embedded corpus")
+    a("--tokenizer-model", default=None, help="tokenizer.json or Kimi tiktoken.model (checked against the store)")
+    a("--seed", type=int, default=1234)
+    # output
+    a("--run-dir", default="runs/pretrain")
+    a("--log-interval", type=int, default=10)
+    a("--wandb-project", default=None, help="log online to this wandb project (default: offline run in the run dir)")
+    a("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    model_section = {}
+    if args.config:
+        from pathlib import Path
+
+        p = Path(args.config)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        import tomllib
+
+        import yaml
+
+        text = p.read_text()
+        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text) or {}
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
+                 if a.startswith("--")}
+        for k, v in (data.get("train") or {}).items():
+            key = k.replace("-", "_")
+            if not hasattr(args, key):
+                raise ConfigError(f"{p}: unknown train option '{k}'")
+            if key not in given:
+                setattr(args, key, v)
+        model_section = data.get("model") or {}
+    return args, model_section
+
+
+def resolve_model_config(args, model_section):
+    from .config import K3Config
+
+    section = dict(model_section)
+    file_preset = section.pop("preset", None)
+    preset = args.preset or file_preset or "k3-tiny"
+    cfg = get_preset(preset, **section) if section else get_preset(preset)
+    over = {}
+    if args.mtp_num_layers is not None:
+        over["num_nextn_predict_layers"] = args.mtp_num_layers
+    if args.seq_length is not None:
+        over["seq_length"] = args.seq_length
+    if over:
+        cfg = cfg.replace(**over).validate()
+    assert isinstance(cfg, K3Config)
+    return cfg
+
+
+def lr_schedule(args):
+    """(warmup steps, lr(step)) with warmup as a fraction of the run (never silently shortened)."""
+    T = args.train_iters
+    if not 0 <= args.lr_warmup_fraction < 1:
+        raise ConfigError("--lr-warmup-fraction must be in [0, 1)")
+    warm = round(args.lr_warmup_fraction * T)
+    if args.lr_warmup_fraction > 0 and warm == 0:
+        raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction} of {T} steps rounds to 0 warmup steps; "
+                          "raise the fraction or the steps")
+
+    def lr(step):
+        if step < warm:
+            return args.lr * (step + 1) / warm
+        t = (step - warm) / max(1, T - warm)
+        if args.lr_decay_style == "constant":
+            return args.lr
+        if args.lr_decay_style == "linear":
+            return args.min_lr + (args.lr - args.min_lr) * (1 - t)
+        if args.lr_decay_style == "WSD":
+            d = max(1, round(args.lr_wsd_decay_fraction * T))
+            if step < T - d:
+                return args.lr
+            return args.min_lr + (args.lr - args.min_lr) * (T - step) / d
+        return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * t))
+
+    return warm, lr
+
+
+def _layout_from_args(args, world):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world % (tp * pp * cp):
+        raise ConfigError(f"world size {world} is not divisible by TP*PP*CP = {tp * pp * cp}")
+    return ParallelLayout(tp=tp, pp=pp, cp=cp, ep=args.expert_model_parallel_size, dp=world // (tp * pp * cp),
+                          vpp=args.virtual_pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel)
+
+
+def default_data(cfg):
+    """The embedded corpus tokenized with the embedded tokenizer (built once into data/cache/)."""
+    tok = os.path.join(DEFAULT_DATA, "tokenizer", f"k3-tiny-bpe{cfg.vocab_size}.json")
+    if not os.path.isfile(tok):
+        raise ConfigError(f"no --data-path given and no embedded tokenizer for vocabulary {cfg.vocab_size} "
+                          "(the embedded corpus ships a 512-token BPE for k3-tiny)")
+    store = os.path.join(DEFAULT_DATA, "cache", f"python-docs-bpe{cfg.vocab_size}.zarr")
+    return store, tok
+
+
+def ensure_default_store(store, tok):
+    if os.path.exists(os.path.join(store, "zarr.json")):
+        return
+    from .data.prepare import prepare
+
+    tmp = store + ".tmp"
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    prepare([os.path.join(DEFAULT_DATA, "corpus")], tok, tmp, workers=2, progress=False)
+    os.replace(tmp, store)
+
+
+# ------------------------------------------------------------------------------------------------------
+@friendly_errors
+def main(argv=None):
+    args, model_section = parse_args(argv)
+    cfg = resolve_model_config(args, model_section)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    layout = _layout_from_args(args, world)
+    layout.validate(cfg, seq_length=cfg.seq_length, micro_batch_size=args.micro_batch_size,
+                    global_batch_size=args.global_batch_size, world_size=world)
+    if args.train_iters < 1:
+        raise UsageError("--train-iters must be >= 1")
+    warm, lr_at = lr_schedule(args)
+
+    # data and tokenizer: checked before any compute
+    from .data.store import open_store
+    from .data.tokenizer import load_tokenizer
+
+    if args.data_path is None:
+        store, tok_path = default_data(cfg)
+        if rank == 0:
+            ensure_default_store(store, tok_path)
+        else:  # rank 0 builds it once; the rename into place makes it appear complete
+            deadline = time.time() + 600
+            while not os.path.exists(os.path.join(store, "zarr.json")) and time.time() < deadline:
+                time.sleep(0.5)
+        args.data_path, args.tokenizer_model = store, args.tokenizer_model or tok_path
+    _, _, manifest = open_store(args.data_path)
+    tvocab = manifest["tokenizer"]["vocab_size"]
+    if tvocab > cfg.vocab_size:
+        raise ConfigError(f"the token store's tokenizer has {tvocab} ids but the model's vocabulary is "
+                          f"{cfg.vocab_size}: token ids would fall outside the embedding")
+    if args.tokenizer_model:
+        ident = load_tokenizer(args.tokenizer_model).identity()
+        if ident["sha256"] != manifest["tokenizer"]["sha256"]:
+            raise ConfigError(f"tokenizer {args.tokenizer_model} is not the one the store {args.data_path} "
+                              "was tokenized with (sha256 differs)")
+    pad_id = load_tokenizer(args.tokenizer_model).pad_id if args.tokenizer_model else None
+
+    if world == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    train(args, cfg, layout, warm, lr_at, pad_id)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args, cfg, layout, warm, lr_at, pad_id):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .data.loader import TokenLoader
+    from .megatron import adapter
+    from .megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads, init_distributed,
+                                   make_forward_step, wrap_ddp)
+    from .metrics import MetricsLogger, routing_stats
+    from .model import K3ForCausalLM
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    device = init_distributed(layout, seed=args.seed)
+    rank = dist.get_rank()
+    chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
+                                         recompute=args.recompute_granularity,
+                                         moe_router_bias_update_rate=args.moe_router_bias_update_rate)
+    # from-scratch init: the golden model's explicit, seeded initialisation, sliced into this rank's shards
+    golden_sd = K3ForCausalLM(cfg, seed=args.seed).state_dict()
+    for c in chunks:
+        adapter.load_hf_state_dict(c, golden_sd, ps.get_tensor_model_parallel_rank())
+    del golden_sd
+    ddp = wrap_ddp(chunks, tconfig, args.use_distributed_optimizer)
+    tconfig.finalize_model_grads_func = finalize_k3_grads
+    tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    opt = build_optimizer(ddp, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                          use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
+                          adam_eps=args.adam_eps, beta1=args.adam_beta1, beta2=args.adam_beta2)
+    loader = TokenLoader(args.data_path, cfg.seq_length, args.micro_batch_size, args.global_batch_size,
+                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), seed=args.seed, pad_id=pad_id)
+    fb = get_forward_backward_func()
+    fstep = make_forward_step(args.mtp_loss_scaling_factor)
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    log = MetricsLogger(args.run_dir, {**vars(args), "model": cfg.to_dict(), "layout": layout.describe()},
+                        args.wandb_project, args.wandb_mode, enabled=(rank == 0))
+    if rank == 0:
+        print(f"[pretrain] {cfg.name}: {cfg.num_hidden_layers} layers, layout {layout.describe()}, "
+              f"{n_params:,} parameters on rank 0; {args.train_iters} steps x {args.global_batch_size} x "
+              f"{cfg.seq_length} tokens; warmup {warm} steps ({args.lr_warmup_fraction:.0%}); data "
+              f"{args.data_path} ({loader.num_windows} windows)", flush=True)
+    t0 = time.time()
+    tokens_seen = 0
+    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    for step in range(args.train_iters):
+        lr = lr_at(step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        micro = [{k: v.to(device) for k, v in m.items()} for m in loader.next_step()]
+        for d in ddp:
+            d.zero_grad_buffer()
+        opt.zero_grad()
+        pre_counts = []
+        tconfig.k3_capture_counts = pre_counts  # finalize_k3_grads records the step's counts here
+        out = fb(forward_step_func=fstep, data_iterator=[iter(micro) for _ in ddp] if len(ddp) > 1 else iter(micro),
+                 model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=loader.num_micro,
+                 seq_length=cfg.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+        ok, gnorm, _ = opt.step()
+        tokens_seen += args.global_batch_size * cfg.seq_length
+        # loss over the global batch (last stage), shared with every rank for logging
+        sums = torch.zeros(3, dtype=torch.float64)
+        if last_stage:
+            for o in out:
+                sums += torch.tensor([float(o["lm_sum"]), sum(float(s) for s in o["mtp_sums"]), float(o["n"])],
+                                     dtype=torch.float64)
+            dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())
+        loss = (sums[0] / sums[2]).item()
+        if not math.isfinite(loss):
+            raise SystemExit(f"[pretrain] non-finite loss at step {step + 1}; stopping (no checkpoint is written)")
+        # routing stats from the step's counts (all micro-batches, all TP/DP/CP ranks), gathered to rank 0
+        layer_stats = {name: routing_stats(c) for name, c in pre_counts}
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(layer_stats, gathered, dst=0)
+        if rank == 0:
+            stats = {}
+            for g in gathered:
+                stats.update(g)
+            dt = time.time() - t0
+            rec = {"step": step + 1, "loss": loss, "lm_loss": loss, "lr": lr, "grad_norm": float(gnorm or 0.0),
+                   "tokens": tokens_seen, "tokens_per_s": tokens_seen / dt, "elapsed_s": round(dt, 3),
+                   "epoch": loader.epoch}
+            if sums[1] > 0:
+                rec["mtp_loss"] = (sums[1] / sums[2]).item()
+                rec["loss"] = loss + args.mtp_loss_scaling_factor * rec["mtp_loss"] / max(1, cfg.num_nextn_predict_layers)
+            if stats:
+                ents = [s["entropy"] for s in stats.values()]
+                rec["routing_entropy_min"] = min(ents)
+                rec["routing_entropy_mean"] = sum(ents) / len(ents)
+                rec["dead_experts"] = sum(s["dead"] for s in stats.values())
+                rec["max_mean_load_worst"] = max(s["max_mean"] for s in stats.values())
+                for name, s in sorted(stats.items(), key=lambda kv: int(kv[0])):
+                    for k, v in s.items():
+                        rec[f"moe/{name}/{k}"] = v
+            log.log(rec)
+            if step % args.log_interval == 0 or step == args.train_iters - 1:
+                extra = (f"  entropy {rec['routing_entropy_min']:.3f}/{rec['routing_entropy_mean']:.3f}  "
+                         f"dead {rec['dead_experts']}") if stats else ""
+                print(f"step {step + 1:6d}/{args.train_iters}  loss {loss:.4f}  lr {lr:.2e}  grad_norm "
+                      f"{rec['grad_norm']:.3f}  {rec['tokens_per_s']:.0f} tok/s{extra}", flush=True)
+    loader.close()
+    if rank == 0:
+        log.close()
+        from .plots import plot_run
+
+        plot_run(args.run_dir)
+        print(f"[pretrain] done: {args.train_iters} steps, {tokens_seen:,} tokens in {time.time() - t0:.1f} s; "
+              f"metrics: {os.path.join(args.run_dir, 'metrics.jsonl')}", flush=True)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Tokenizers, the zarr token store and the TokenLoader."""
+import base64
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_k3.config import ConfigError
+from megatron_k3.data.loader import TokenLoader
+from megatron_k3.data.prepare import prepare
+from megatron_k3.data.store import open_store
+from megatron_k3.data.tokenizer import KimiTiktokenTokenizer, load_tokenizer, train_bpe
+
+DOCS = [
+    "The quick brown fox jumps over the lazy dog. " * 20,
+    "Python is a programming language that lets you work quickly and integrate systems effectively. " * 15,
+    "def f(x):\n    return x * 2\n\nprint(f(21))\n" * 25,
+    "Attention residuals let each layer choose among earlier block summaries. " * 18,
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    with open(d / "a.jsonl", "w") as f:
+        for t in DOCS[:2]:
+            f.write(json.dumps({"text": t}) + "\n")
+    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": DOCS[2]}) + "\n")
+    (d / "sub").mkdir()
+    (d / "sub" / "c.txt").write_text(DOCS[3])
+    tok = train_bpe(DOCS, 300, d / "tok.json")
+    return d, tok
+
+
+@pytest.fixture(scope="module")
+def store(corpus, tmp_path_factory):
+    d, tok = corpus
+    out = tmp_path_factory.mktemp("store") / "s.zarr"
+    man = prepare([str(d)], str(d / "tok.json"), str(out), workers=2, progress=False)
+    return out, man, tok
+
+
+def test_tokenizer_roundtrip(corpus):
+    _, tok = corpus
+    for t in DOCS:
+        assert tok.decode(tok.encode(t)) == t
+    assert tok.vocab_size == 300 and tok.eos_id is not None and tok.pad_id is not None
+    assert len(tok.identity()["sha256"]) == 64
+
+
+def test_store_roundtrip(store):
+    out, man, tok = store
+    tokens, starts, m = open_store(out)
+    expect = []
+    for t in [DOCS[0], DOCS[1], DOCS[2], DOCS[3]]:  # a.jsonl, b.jsonl.gz, sub/c.txt in sorted order
+        expect += tok.encode(t) + [tok.eos_id]
+    assert m["token_count"] == len(expect) == man["token_count"]
+    assert np.array_equal(np.asarray(tokens[:]), np.asarray(expect, dtype=np.uint32))
+    lens = [len(tok.encode(t)) + 1 for t in DOCS]
+    assert np.asarray(starts[:]).tolist() == np.cumsum([0] + lens[:-1]).tolist()
+    assert m["num_documents"] == 4 and m["tokenizer"]["sha256"] == tok.identity()["sha256"]
+    assert [s["documents"] for s in m["sources"]] == [2, 1, 1]
+
+
+def _loader(store, **kw):
+    out, _, _ = store
+    args = dict(seq_length=15, micro_batch_size=2, global_batch_size=8, seed=5, prefetch=0)
+    args.update(kw)
+    return TokenLoader(out, **args)
+
+
+def test_every_window_exactly_once_per_epoch_and_new_order(store):
+    ld = _loader(store)
+    W = ld.num_windows
+    seen = {0: [], 1: []}
+    while ld.epoch < 2:
+        e, c = ld.epoch, ld.cursor
+        ld.next_step()
+        ids = ld.last_window_ids
+        # attribute ids to epochs (a step may straddle the boundary)
+        first = min(len(ids), W - c) if e in seen else 0
+        if e in seen:
+            seen[e] += ids[:first]
+        if e + 1 in seen:
+            seen[e + 1] += ids[first:]
+    assert sorted(seen[0]) == list(range(W)) and len(seen[0]) == W
+    assert sorted(seen[1]) == list(range(W))
+    assert seen[0] != seen[1]  # a different order each epoch
+
+
+def test_windows_are_the_stream(store):
+    ld = _loader(store)
+    tokens, _, _ = open_store(store[0])
+    arr = np.asarray(tokens[:])
+    micro = ld.next_step()
+    w = ld.last_window_ids[0]
+    L = 16
+    assert micro[0]["tokens"][0].tolist() == arr[w * L:w * L + 15].tolist()
+    assert micro[0]["labels"][0].tolist() == arr[w * L + 1:w * L + 16].tolist()
+
+
+def test_restore_gives_identical_stream(store):
+    a = _loader(store, prefetch=2)
+    for _ in range(5):
+        a.next_step()
+    state = a.state_dict()
+    rest_a = [[m["tokens"].clone() for m in a.next_step()] for _ in range(6)]
+    b = _loader(store, prefetch=2)
+    b.load_state_dict(state)
+    rest_b = [[m["tokens"].clone() for m in b.next_step()] for _ in range(6)]
+    for x, y in zip(rest_a, rest_b):
+        for mx, my in zip(x, y):
+            assert mx.equal(my)
+    a.close(), b.close()
+    with pytest.raises(ConfigError, match="loader state mismatch"):
+        _loader(store, seq_length=7).load_state_dict(state)
+
+
+def test_dp_shards_disjoint_and_complete(store):
+    full = _loader(store, micro_batch_size=8)
+    full.next_step()
+    g = full.last_window_ids
+    parts = []
+    for r in range(4):
+        ld = _loader(store, dp_rank=r, dp_size=4, micro_batch_size=1)
+        micro = ld.next_step()
+        assert len(micro) == 2  # 8 / (1 * 4) micro-batches per rank
+        parts.append(ld.last_window_ids)
+    assert sum(parts, []) == g
+    assert len(set(sum(parts, []))) == 8
+
+
+def test_pad_labels_masked(store):
+    plain = _loader(store).next_step()[0]
+    pad = int(plain["labels"][0, 3])  # pretend a token that occurs in the labels is the pad id
+    m = _loader(store, pad_id=pad).next_step()[0]
+    where = plain["labels"] == pad
+    assert where.any()
+    assert (m["labels"][where] == -100).all() and m["labels"][~where].equal(plain["labels"][~where])
+    assert m["tokens"].equal(plain["tokens"])  # inputs keep the token
+
+
+def test_bad_inputs(tmp_path, corpus):
+    d, tok = corpus
+    with pytest.raises(ConfigError, match="data path not found"):
+        open_store(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e.txt").write_text("   \n")
+    with pytest.raises(ConfigError, match="empty corpus"):
+        prepare([str(tmp_path / "empty")], str(d / "tok.json"), str(tmp_path / "o.zarr"), workers=1, progress=False)
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(ConfigError, match="no input files"):
+        prepare([str(tmp_path / "nothing")], str(d / "tok.json"), str(tmp_path / "o2.zarr"), workers=1, progress=False)
+
+
+def test_kimi_tiktoken_loader(tmp_path):
+    """A synthetic tiktoken.model (256 byte tokens + 2 merges): ids, specials and the Kimi pattern."""
+    ranks = [bytes([i]) for i in range(256)] + [b"th", b"the"]
+    (tmp_path / "tiktoken.model").write_text(
+        "\n".join(f"{base64.b64encode(t).decode()} {i}" for i, t in enumerate(ranks)) + "\n")
+    tok = load_tokenizer(tmp_path / "tiktoken.model")
+    assert isinstance(tok, KimiTiktokenTokenizer)
+    assert tok.vocab_size == 258 + 256
+    assert tok.bos_id == 258 and tok.eos_id == 260 and tok.pad_id == 258 + 255
+    ids = tok.encode("the cat 数学")
+    assert ids[0] == 257 and tok.decode(ids) == "the cat 数学"
