@@ -64,8 +64,10 @@ def build_parser():
     a("--mtp-loss-scaling-factor", type=float, default=0.1)
     a("--recompute-granularity", choices=["none", "selective", "full"], default="none",
       help="selective: recompute the token mixers' cores and FFN activations; full: whole layers")
-    a("--moe-router-bias-update-rate", type=float, default=1e-3,
-      help="aux-loss-free balancing step (sign update, zero-centred); 0 disables it")
+    a("--moe-router-load-balancing-type", choices=["sign", "quantile", "none"], default="sign",
+      help="aux-loss-free balancing of e_score_correction_bias: zero-centred sign update, K3's Quantile "
+           "Balancing, or none (see megatron_k3/balancing.py)")
+    a("--moe-router-bias-update-rate", type=float, default=1e-3, help="step of the sign update")
     # data
     a("--data-path", default=None, help="zarr token store (tools/prepare_data.py); default: the embedded corpus")
     a("--tokenizer-model", default=None, help="tokenizer.json or Kimi tiktoken.model (checked against the store)")
@@ -255,7 +257,13 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
     rank = dist.get_rank()
     chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
                                          recompute=args.recompute_granularity,
-                                         moe_router_bias_update_rate=args.moe_router_bias_update_rate)
+                                         moe_router_bias_update_rate=(args.moe_router_bias_update_rate
+                                                                      if args.moe_router_load_balancing_type == "sign"
+                                                                      else 0.0))
+    from .megatron.runtime import moe_routers
+
+    for _, r in moe_routers(chunks):
+        r.k3_balancing = args.moe_router_load_balancing_type
     # from-scratch init: the golden model's explicit, seeded initialisation, sliced into this rank's shards
     golden_sd = K3ForCausalLM(cfg, seed=args.seed).state_dict()
     for c in chunks:

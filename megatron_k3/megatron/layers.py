@@ -178,10 +178,30 @@ class GLUActivation(nn.Module):
 
 
 class K3Router(TopKRouter):
-    """megatron's sigmoid top-k router; token counting without torch.compile (20 s per process on CPU).
+    """megatron's sigmoid top-k router (bias in selection only), plus K3's balancing statistics.
 
-    Counts accumulate over every micro-batch of a step (and megatron all-reduces them over TP x DP x CP
-    before the bias update in ``finalize_model_grads``)."""
+    Expert counts accumulate over every micro-batch of a step (megatron all-reduces them over TP x DP x CP
+    before its sign update in ``finalize_model_grads``); counting runs without torch.compile (20 s per
+    process on CPU). With ``k3_balancing = "quantile"`` each training forward also adds this micro-batch's
+    Quantile-Balancing shift (``megatron_k3.balancing``) to a running sum applied once per step."""
+
+    k3_balancing = "sign"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        E = self.config.num_moe_experts
+        self.register_buffer("k3_qb_sum", torch.zeros(E, dtype=torch.float64), persistent=False)
+        self.register_buffer("k3_qb_count", torch.zeros((), dtype=torch.float64), persistent=False)
+
+    def routing(self, logits, padding_mask=None):
+        if self.k3_balancing == "quantile" and self.training and torch.is_grad_enabled():
+            from ..balancing import quantile_shift
+
+            with torch.no_grad():
+                scores = torch.sigmoid(logits.reshape(-1, self.config.num_moe_experts).float())
+                self.k3_qb_sum += quantile_shift(scores, self.expert_bias, self.topk).double()
+                self.k3_qb_count += 1
+        return super().routing(logits, padding_mask=padding_mask)
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
         if self.enable_expert_bias and torch.is_grad_enabled():

@@ -125,6 +125,18 @@ def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_redu
         dist.all_reduce(counts, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
         capture.extend((name, c.cpu()) for (name, _), c in zip(routers, counts))
     finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    qb = [r for _, r in routers if getattr(r, "k3_balancing", None) == "quantile"]
+    if qb:  # Quantile Balancing: the step's mean shift over micro-batches and TP x DP x CP token shards
+        from ..balancing import quantile_update
+
+        stats = torch.stack([torch.cat([r.k3_qb_sum, r.k3_qb_count.reshape(1)]) for r in qb])
+        dist.all_reduce(stats, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        with torch.no_grad():
+            for r, st in zip(qb, stats):
+                if st[-1] > 0:
+                    r.expert_bias.copy_(quantile_update(r.expert_bias, (st[:-1] / st[-1]).to(r.expert_bias.dtype)))
+                r.k3_qb_sum.zero_()
+                r.k3_qb_count.zero_()
     with torch.no_grad():
         for _, r in routers:
             if r.expert_bias is not None:
