@@ -53,6 +53,8 @@ def build_parser():
     a("--lr-warmup-fraction", type=float, default=0.05, help="warmup steps = round(fraction x train iters)")
     a("--lr-decay-style", choices=["cosine", "WSD", "linear", "constant"], default="cosine")
     a("--lr-wsd-decay-fraction", type=float, default=0.2, help="WSD: fraction of the steps spent decaying")
+    a("--optimizer", choices=["adam", "muon"], default="adam",
+      help="adam: megatron's AdamW (optionally distributed); muon: per-head Muon + AdamW (megatron_k3/optim.py)")
     a("--weight-decay", type=float, default=0.1)
     a("--adam-beta1", type=float, default=0.9)
     a("--adam-beta2", type=float, default=0.95)
@@ -197,6 +199,8 @@ def main(argv=None):
                     global_batch_size=args.global_batch_size, world_size=world)
     if args.train_iters < 1:
         raise UsageError("--train-iters must be >= 1")
+    if args.optimizer == "muon" and args.use_distributed_optimizer:
+        raise UsageError("--optimizer muon runs without --use-distributed-optimizer (megatron's shards Adam state only)")
     warm, lr_at = lr_schedule(args)
 
     # data and tokenizer: checked before any compute
@@ -272,9 +276,16 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
     ddp = wrap_ddp(chunks, tconfig, args.use_distributed_optimizer)
     tconfig.finalize_model_grads_func = finalize_k3_grads
     tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
-    opt = build_optimizer(ddp, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-                          use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
-                          adam_eps=args.adam_eps, beta1=args.adam_beta1, beta2=args.adam_beta2)
+    if args.optimizer == "muon":
+        from .megatron.runtime import build_muon, grad_norm_fp32
+        from .optim import clip_coefficient
+
+        opt = build_muon(chunks, lr=args.lr, weight_decay=args.weight_decay, adam_eps=args.adam_eps,
+                         beta1=args.adam_beta1, beta2=args.adam_beta2)
+    else:
+        opt = build_optimizer(ddp, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                              use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
+                              adam_eps=args.adam_eps, beta1=args.adam_beta1, beta2=args.adam_beta2)
     loader = TokenLoader(args.data_path, cfg.seq_length, args.micro_batch_size, args.global_batch_size,
                          ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), seed=args.seed, pad_id=pad_id)
     fb = get_forward_backward_func()
@@ -303,7 +314,11 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
         out = fb(forward_step_func=fstep, data_iterator=[iter(micro) for _ in ddp] if len(ddp) > 1 else iter(micro),
                  model=ddp if len(ddp) > 1 else ddp[0], num_microbatches=loader.num_micro,
                  seq_length=cfg.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
-        ok, gnorm, _ = opt.step()
+        if args.optimizer == "muon":
+            gnorm = grad_norm_fp32(chunks)
+            opt.step(clip_coefficient(gnorm, args.clip_grad))
+        else:
+            ok, gnorm, _ = opt.step()
         tokens_seen += args.global_batch_size * cfg.seq_length
         # loss over the global batch (last stage), shared with every rank for logging
         sums = torch.zeros(3, dtype=torch.float64)

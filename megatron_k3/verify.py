@@ -81,9 +81,14 @@ def make_batches(cfg, steps, global_batch, seq_length, seed, mtp_depth):
 def run_golden(cfg, batches, args):
     from .model import K3ForCausalLM
 
+    from .optim import MuonAdamW, clip_coefficient
+
     model = K3ForCausalLM(cfg, seed=args.seed)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps, weight_decay=0.1)
+    if args.optimizer == "muon":
+        opt = MuonAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1, adam_eps=args.adam_eps)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps, weight_decay=0.1)
     losses, grads = [], None
     for step, b in enumerate(batches):
         opt.zero_grad(set_to_none=True)
@@ -94,8 +99,12 @@ def run_golden(cfg, batches, args):
         for p in model.parameters():  # megatron steps every parameter (zero grad still decays); so do we
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        opt.step()
+        if args.optimizer == "muon":
+            norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())).item()
+            opt.step(clip_coefficient(norm, args.clip_grad))
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            opt.step()
         losses.append([out["lm_loss"].item()] + [x.item() for x in out["mtp_losses"]])
     final = {k: v.clone() for k, v in model.state_dict().items()}
     return init, losses, grads, final
@@ -139,8 +148,14 @@ def _worker(rank, world, port, tmpdir, cfg_dict, layouts, args_dict):
 
             tconfig.finalize_model_grads_func = finalize_model_grads
         tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
-        opt = build_optimizer(ddp, lr=args.lr, clip_grad=args.clip_grad, use_distributed_optimizer=distopt,
-                              adam_eps=args.adam_eps)
+        if args.optimizer == "muon":
+            from .megatron.runtime import build_muon, grad_norm_fp32
+            from .optim import clip_coefficient
+
+            opt = build_muon(chunks, lr=args.lr, adam_eps=args.adam_eps)
+        else:
+            opt = build_optimizer(ddp, lr=args.lr, clip_grad=args.clip_grad, use_distributed_optimizer=distopt,
+                                  adam_eps=args.adam_eps)
         fb = get_forward_backward_func()
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         n_micro = args.global_batch // (args.micro_batch_size * dp)
@@ -162,7 +177,10 @@ def _worker(rank, world, port, tmpdir, cfg_dict, layouts, args_dict):
             if step == 0:
                 for c in chunks:
                     grad_pieces += adapter.local_pieces(c, tp_rank, shapes, grads=True)
-            opt.step()
+            if args.optimizer == "muon":
+                opt.step(clip_coefficient(grad_norm_fp32(chunks), args.clip_grad))
+            else:
+                opt.step()
             if last_stage:
                 sums = torch.tensor([[float(o["lm_sum"])] + [float(s) for s in o["mtp_sums"]] + [float(o["n"])]
                                      for o in out], dtype=torch.float64).sum(0)
@@ -248,6 +266,8 @@ def main(argv=None):
     ap.add_argument("--seq-length", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--clip-grad", type=float, default=1.0)
+    ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                    help="muon: per-head Muon for hidden matrices + AdamW for the rest (megatron_k3/optim.py)")
     ap.add_argument("--adam-eps", type=float, default=1e-4,
                     help="Adam epsilon for the check (1e-4: see the module docstring on conditioning)")
     ap.add_argument("--mtp-loss-weight", type=float, default=0.1)
@@ -263,7 +283,10 @@ def main(argv=None):
     specs = [main_spec] + args.also
     world = None
     for spec in specs:  # every layout is checked before any rank starts
-        layout, _ = parse_layout_spec(spec)
+        layout, distopt = parse_layout_spec(spec)
+        if distopt and args.optimizer == "muon":
+            raise LayoutError(f"layout {layout.describe()}: Muon runs without the distributed optimizer "
+                              "(megatron's distributed optimizer shards flat buffers and supports Adam only)")
         layout.validate(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch)
         if world is None:

@@ -44,6 +44,13 @@ def test_mtp_head_layouts(root):
     _assert_pass(r, lines, 3)
 
 
+def test_per_head_muon_layouts(root):
+    """Per-head Muon + AdamW: TP2 == TP1 (no SP and SP), DP2 == DP1, EP2 (x DP2) against the golden model."""
+    r, lines = _verify(root, "--optimizer", "muon", "--tp", "2", "--also", "tp=2,sp=1", "--also", "dp=2",
+                       "--also", "ep=2,dp=2")
+    _assert_pass(r, lines, 4)
+
+
 def test_check_catches_a_missing_reduction(root):
     """Drop the TP sum of the TP-partial gradients (KDA f_a_proj/o_norm, MLA down projections): must FAIL."""
     r, lines = _verify(root, "--tp", "2", env={"K3_VERIFY_FAULT": "skip_tp_partial_sum"})
@@ -58,6 +65,7 @@ def test_check_catches_a_missing_reduction(root):
     (["--cp", "2", "--seq-length", "30"], "divisible by 2*CP"),
     (["--dp", "3"], "not divisible by micro batch x DP"),
     (["--also", "tp=2,bogus=1"], "unknown key 'bogus'"),
+    (["--optimizer", "muon", "--dp", "2", "--distributed-optimizer"], "Muon runs without the distributed optimizer"),
 ])
 def test_impossible_layouts_refused_before_launch(root, args, needle):
     r, _ = _verify(root, *args, timeout=120)

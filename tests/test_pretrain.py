@@ -95,3 +95,11 @@ def test_two_ranks_tp2_sp(root, tmp_path, main_run):
     run_dir, _ = main_run
     first = json.loads(open(run_dir / "metrics.jsonl").readline())
     assert recs[0]["lm_loss"] == pytest.approx(first["lm_loss"], rel=1e-5)
+
+
+def test_muon_trainer_runs_and_learns(root, tmp_path, main_run):
+    r = _pretrain(root, "--config", "configs/k3-tiny-cpu.yaml", "--optimizer", "muon", "--lr", "2e-2",
+                  "--train-iters", "30", "--run-dir", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert recs[-1]["loss"] < 0.85 * recs[0]["loss"]

@@ -244,6 +244,8 @@ class ParallelLatentMoE(MoELayer):
             for m in (self.routed_expert_down_proj, self.routed_expert_up_proj, getattr(self, "routed_expert_norm", None)):
                 if m is not None:
                     mark_replicated(m, ctx)
+        for expert in self.experts.local_experts:  # [w1; w3]: two blocks for per-head Muon (= the release's w1, w3)
+            expert.linear_fc1.weight.k3_heads = (0, cfg.moe_intermediate_size)
         if self_sp:  # per-token params on a sequence shard, but the model is not SP: sum their grads ourselves
             for p in [self.router.weight] + [p for n, p in self.named_parameters() if n.startswith("routed_expert_")]:
                 mark_tp_partial(p)

@@ -209,3 +209,41 @@ def make_forward_step(mtp_loss_weight: float = 0.1):
         return total, loss_func
 
     return forward_step
+
+
+def grad_norm_fp32(chunks) -> float:
+    """Global L2 norm of the (finalized) gradients: dense parameters counted once per TP group (replicated
+    ones on TP rank 0) and reduced over TP x PP; expert parameters reduced over EP x PP."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    dev = None
+    for c in chunks:
+        for p in c.parameters():
+            g = getattr(p, "main_grad", None)
+            g = g if g is not None else p.grad
+            if g is None:
+                continue
+            dev = g.device
+            sq = g.double().pow(2).sum().cpu()
+            if not getattr(p, "allreduce", True):
+                expert += sq
+            elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                dense += sq
+    dense, expert = dense.to(dev or "cpu"), expert.to(dev or "cpu")
+    dist.all_reduce(dense, group=ps.get_model_parallel_group())
+    dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    return float((dense + expert).sqrt())
+
+
+def build_muon(chunks, lr: float, weight_decay: float = 0.1, adam_eps: float = 1e-8, beta1: float = 0.9,
+               beta2: float = 0.95):
+    from megatron.core import parallel_state as ps
+
+    from ..optim import MuonAdamW
+
+    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
+    return MuonAdamW(named, lr=lr, weight_decay=weight_decay, adam_betas=(beta1, beta2), adam_eps=adam_eps,
+                     tp_group=ps.get_tensor_model_parallel_group(), tp_size=ps.get_tensor_model_parallel_world_size())

@@ -209,6 +209,12 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = Linear(d, P, std)
         self.o_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=torch.float32)
         self.o_proj = Linear(P, D, out_std)
+        # head layout of the per-head matrices (blocks of d along dim): per-head Muon and TP sharding
+        heads = [self.q_proj, self.k_proj, self.v_proj, self.f_b_proj]
+        heads.append(self.g_proj if cfg.use_full_rank_gate else self.g_b_proj)
+        for m in heads:
+            m.weight.k3_heads = (0, d)
+        self.o_proj.weight.k3_heads = (1, d)
 
     def reset_parameters(self, gen=None):
         """A_log and dt_bias (fla defaults; no official init published). Submodules init themselves."""

@@ -50,6 +50,11 @@ class GatedMLA(nn.Module):
         self.o_proj = Linear(H * self.vdim, D, out_std)
         if cfg.mla_use_output_gate:
             self.g_proj = Linear(D, H * self.vdim, std)
+            self.g_proj.weight.k3_heads = (0, self.vdim)
+        # head layout of the per-head matrices (per-head Muon, TP sharding)
+        (self.q_b_proj if cfg.q_lora_rank is not None else self.q_proj).weight.k3_heads = (0, qk)
+        self.kv_b_proj.weight.k3_heads = (0, self.nope + self.vdim)
+        self.o_proj.weight.k3_heads = (1, self.vdim)
 
     def project_qkv(self, x: torch.Tensor):
         B, T, _ = x.shape
