@@ -73,10 +73,15 @@ def build_parser():
     # data
     a("--data-path", default=None, help="zarr token store (tools/prepare_data.py); default: the embedded corpus")
     a("--tokenizer-model", default=None, help="tokenizer.json or Kimi tiktoken.model (checked against the store)")
+    a("--data-backend", choices=["default", "dali"], default="default",
+      help="dali: the same windows through an NVIDIA DALI pipeline (extra 'dali')")
     a("--seed", type=int, default=1234)
     # output
     a("--run-dir", default="runs/pretrain")
     a("--log-interval", type=int, default=10)
+    a("--export-weights", default=None,
+      help="at the end, gather the weights into one HF-named state dict file (.pt, relative paths are in the "
+           "run dir) on rank 0 (small models; e.g. for tools/probe_moe.py)")
     a("--wandb-project", default=None, help="log online to this wandb project (default: offline run in the run dir)")
     a("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")
     return ap
@@ -236,6 +241,13 @@ def main(argv=None):
     train(args, cfg, layout, warm, lr_at, pad_id)
 
 
+def _shape_map(cfg):
+    from .model import K3ForCausalLM
+
+    with torch.device("meta"):
+        return {k: v.shape for k, v in K3ForCausalLM(cfg, init=False).state_dict().items()}
+
+
 def _free_port():
     import socket
 
@@ -249,7 +261,7 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .data.loader import TokenLoader
+    from .data.dali import make_loader
     from .megatron import adapter
     from .megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads, init_distributed,
                                    make_forward_step, wrap_ddp)
@@ -286,8 +298,9 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
         opt = build_optimizer(ddp, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
                               use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
                               adam_eps=args.adam_eps, beta1=args.adam_beta1, beta2=args.adam_beta2)
-    loader = TokenLoader(args.data_path, cfg.seq_length, args.micro_batch_size, args.global_batch_size,
-                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), seed=args.seed, pad_id=pad_id)
+    loader = make_loader(args.data_backend, args.data_path, cfg.seq_length, args.micro_batch_size,
+                         args.global_batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                         seed=args.seed, pad_id=pad_id, device_id=(device.index if device.type == "cuda" else None))
     fb = get_forward_backward_func()
     fstep = make_forward_step(args.mtp_loss_scaling_factor)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
@@ -362,6 +375,22 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
                 print(f"step {step + 1:6d}/{args.train_iters}  loss {loss:.4f}  lr {lr:.2e}  grad_norm "
                       f"{rec['grad_norm']:.3f}  {rec['tokens_per_s']:.0f} tok/s{extra}", flush=True)
     loader.close()
+    if args.export_weights:
+        from .megatron.adapter import assemble, local_pieces
+
+        if not os.path.isabs(args.export_weights):  # relative to the run directory
+            args.export_weights = os.path.join(args.run_dir, args.export_weights)
+        shapes = _shape_map(cfg)
+        pieces = [p for c in chunks for p in local_pieces(c, ps.get_tensor_model_parallel_rank(), _shape_map(cfg))]
+        allp = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(pieces, allp, dst=0)
+        if rank == 0:
+            full, covered = assemble([p for g in allp for p in g], shapes)
+            missing = [k for k in shapes if k not in full or not bool(covered[k].all())]
+            if missing:
+                raise RuntimeError(f"export: {len(missing)} tensors not covered, e.g. {missing[0]}")
+            torch.save(full, args.export_weights)
+            print(f"[pretrain] exported {len(full)} tensors to {args.export_weights}", flush=True)
     if rank == 0:
         log.close()
         from .plots import plot_run

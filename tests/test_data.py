@@ -167,3 +167,19 @@ def test_kimi_tiktoken_loader(tmp_path):
     assert tok.bos_id == 258 and tok.eos_id == 260 and tok.pad_id == 258 + 255
     ids = tok.encode("the cat 数学")
     assert ids[0] == 257 and tok.decode(ids) == "the cat 数学"
+
+
+def test_dali_backend_yields_the_same_batches(store):
+    pytest.importorskip("nvidia.dali")
+    from megatron_k3.data.dali import DALITokenLoader
+
+    out, _, _ = store
+    ref = _loader(store, dp_rank=1, dp_size=2, micro_batch_size=2)
+    dali = DALITokenLoader(out, seq_length=15, micro_batch_size=2, global_batch_size=8, dp_rank=1, dp_size=2, seed=5,
+                           device_id=None)
+    for _ in range(60):  # 480 windows: crosses the epoch boundary (385 windows)
+        a, b = ref.next_step(), dali.next_step()
+        assert len(a) == len(b) == 2
+        for x, y in zip(a, b):
+            assert x["tokens"].equal(y["tokens"]) and x["labels"].equal(y["labels"])
+    assert dali.state_dict() == ref.state_dict()

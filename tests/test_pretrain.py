@@ -103,3 +103,32 @@ def test_muon_trainer_runs_and_learns(root, tmp_path, main_run):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert recs[-1]["loss"] < 0.85 * recs[0]["loss"]
+
+
+def test_probe_moe_on_the_main_run(root, main_run):
+    run_dir, _ = main_run
+    assert (run_dir / "final_weights.pt").exists()
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "probe_moe.py"), "--weights",
+                        str(run_dir / "final_weights.pt"), "--preset", "k3-tiny", "--tokenizer",
+                        os.path.join(root, "data", "tokenizer", "k3-tiny-bpe512.json"), "--data",
+                        os.path.join(root, "data", "corpus", "python-docs-3.11.jsonl.gz"), "--windows-per-domain", "32",
+                        "--json"], capture_output=True, text=True, timeout=300, env=_env(root))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["domains"] == {"tutorial": 32, "howto": 32, "faq": 32, "reference": 32}
+    assert sorted(rep["layers"], key=int) == [str(i) for i in range(1, 8)]
+    for layer in rep["layers"].values():
+        assert 0 <= layer["entropy"] <= 1 and layer["js_within_domain_floor"] > 0
+        assert layer["specialisation_ratio"] == pytest.approx(layer["js_cross_domain"] / layer["js_within_domain_floor"])
+
+
+def test_js_divergence():
+    import math
+
+    import torch
+
+    from megatron_k3.probe import js_divergence
+
+    a = torch.tensor([1.0, 2.0, 3.0, 0.0])
+    assert js_divergence(a, a * 7) == pytest.approx(0.0, abs=1e-12)
+    assert js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(math.log(2))

@@ -1,0 +1,13 @@
+#!/usr/bin/env python3
+"""Expert load and cross-domain specialisation of a trained K3 (see megatron_k3/probe.py):
+    python tools/probe_moe.py --weights W.pt --preset k3-tiny --tokenizer data/tokenizer/k3-tiny-bpe512.json \\
+        --data data/corpus/python-docs-3.11.jsonl.gz"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_k3.probe import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()
