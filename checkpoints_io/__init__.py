@@ -1,1 +1,1 @@
-"""Checkpoint I/O (sharded DCP, O_DIRECT writer, atomic save/resume). Reserved: filled by the checkpoint issue."""
+"""Checkpoint I/O: the O_DIRECT DCP storage writer (odirect.py); atomic sharded save/resume comes next."""
