@@ -1,0 +1,14 @@
+"""The benchmark harness runs (CPU smoke mode); numbers come from the GPU, never from tests."""
+import json
+import os
+import subprocess
+import sys
+
+
+def test_benchmark_smoke(root, tmp_path):
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "benchmark.py"), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29688"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(out))
+    assert rep["tokens_per_s"] > 0 and len(rep["step_times_s"]) == 2 and rep["model_flops_per_token"] > 0
