@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--recompute-granularity", default="none")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke mode: k3-tiny, seq 128, 2+2 steps")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="also profile one extra step; write the top ops table here")
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.seq_length, args.micro_batch_size, args.warmup, args.steps = "k3-tiny", 128, 2, 2, 2
@@ -95,6 +96,21 @@ def main():
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t1)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            ddp[0].zero_grad_buffer()
+            opt.zero_grad()
+            fb(forward_step_func=make_forward_step(), data_iterator=iter(micro), model=ddp[0], num_microbatches=1,
+               seq_length=S, micro_batch_size=B, forward_only=False)
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
     info = model_info(cfg)
     med = statistics.median(times)
     tps = B * S / med
