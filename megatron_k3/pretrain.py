@@ -197,6 +197,9 @@ def ensure_default_store(store, tok):
 def main(argv=None):
     args, model_section = parse_args(argv)
     cfg = resolve_model_config(args, model_section)
+    from .launch_env import discover
+
+    discover()  # torchrun / srun / mpiexec / single process
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     layout = _layout_from_args(args, world)
@@ -233,11 +236,6 @@ def main(argv=None):
                               "was tokenized with (sha256 differs)")
     pad_id = load_tokenizer(args.tokenizer_model).pad_id if args.tokenizer_model else None
 
-    if world == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
     train(args, cfg, layout, warm, lr_at, pad_id)
 
 
@@ -246,14 +244,6 @@ def _shape_map(cfg):
 
     with torch.device("meta"):
         return {k: v.shape for k, v in K3ForCausalLM(cfg, init=False).state_dict().items()}
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(args, cfg, layout, warm, lr_at, pad_id):

@@ -132,3 +132,18 @@ def test_js_divergence():
     a = torch.tensor([1.0, 2.0, 3.0, 0.0])
     assert js_divergence(a, a * 7) == pytest.approx(0.0, abs=1e-12)
     assert js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(math.log(2))
+
+
+def test_mpiexec_two_ranks(root, tmp_path, main_run):
+    """mpiexec -n 2 (MPICH from the mpich wheel): rank/world/local rank/master discovered through mpi4py."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, os.path.join(root, "launchers", "pretrain_k3.py"),
+                        "--config", "configs/k3-tiny-cpu.yaml", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--train-iters", "6", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, env=_env(root), cwd=root)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "layout TP2 PP1 EP1 CP1 DP1 +SP" in r.stdout
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    run_dir, _ = main_run
+    first = json.loads(open(run_dir / "metrics.jsonl").readline())
+    assert len(recs) == 6 and recs[0]["lm_loss"] == pytest.approx(first["lm_loss"], rel=1e-5)
