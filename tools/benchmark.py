@@ -80,6 +80,13 @@ def main():
     g = torch.Generator().manual_seed(0)
     B, S = args.micro_batch_size, args.seq_length
     cuda = device.type == "cuda"
+    def train_step(micro):
+        ddp[0].zero_grad_buffer()
+        opt.zero_grad()
+        fb(forward_step_func=make_forward_step(), data_iterator=iter(micro), model=ddp[0], num_microbatches=1,
+           seq_length=S, micro_batch_size=B, forward_only=False)
+        opt.step()
+
     times = []
     for step in range(args.warmup + args.steps):
         t = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
@@ -87,11 +94,7 @@ def main():
         if cuda:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        ddp[0].zero_grad_buffer()
-        opt.zero_grad()
-        fb(forward_step_func=make_forward_step(), data_iterator=iter(micro), model=ddp[0], num_microbatches=1,
-           seq_length=S, micro_batch_size=B, forward_only=False)
-        opt.step()
+        train_step(micro)
         if cuda:
             torch.cuda.synchronize()
         if step >= args.warmup:
@@ -101,11 +104,7 @@ def main():
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts) as prof:
-            ddp[0].zero_grad_buffer()
-            opt.zero_grad()
-            fb(forward_step_func=make_forward_step(), data_iterator=iter(micro), model=ddp[0], num_microbatches=1,
-               seq_length=S, micro_batch_size=B, forward_only=False)
-            opt.step()
+            train_step(micro)
             if cuda:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"

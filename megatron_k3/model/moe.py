@@ -30,37 +30,28 @@ from .situ import glu_activation
 class MLP(nn.Module):
     """Dense/shared FFN with HF names gate_proj, up_proj, down_proj."""
 
+    names = ("gate_proj", "up_proj", "down_proj")
+
     def __init__(self, cfg, hidden: int, width: int):
         super().__init__()
         self.cfg = cfg
         std, out_std = cfg.init_std, scaled_init_std(cfg.init_std, cfg.num_hidden_layers)
-        self.gate_proj = Linear(hidden, width, std)
-        self.up_proj = Linear(hidden, width, std)
-        self.down_proj = Linear(width, hidden, out_std)
+        gate, up, down = self.names
+        setattr(self, gate, Linear(hidden, width, std))
+        setattr(self, up, Linear(hidden, width, std))
+        setattr(self, down, Linear(width, hidden, out_std))
 
     def forward(self, x):
         c = self.cfg
-        h = glu_activation(self.gate_proj(x), self.up_proj(x), c.hidden_act, c.activation_situ_beta,
-                           c.activation_situ_linear_beta)
-        return self.down_proj(h)
+        gate, up, down = (getattr(self, n) for n in self.names)
+        h = glu_activation(gate(x), up(x), c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+        return down(h)
 
 
-class Expert(nn.Module):
+class Expert(MLP):
     """Routed expert with HF names w1 (gate), w3 (up), w2 (down)."""
 
-    def __init__(self, cfg, width_in: int, width: int):
-        super().__init__()
-        self.cfg = cfg
-        std, out_std = cfg.init_std, scaled_init_std(cfg.init_std, cfg.num_hidden_layers)
-        self.w1 = Linear(width_in, width, std)
-        self.w3 = Linear(width_in, width, std)
-        self.w2 = Linear(width, width_in, out_std)
-
-    def forward(self, x):
-        c = self.cfg
-        h = glu_activation(self.w1(x), self.w3(x), c.hidden_act, c.activation_situ_beta,
-                           c.activation_situ_linear_beta)
-        return self.w2(h)
+    names = ("w1", "w3", "w2")
 
 
 class Router(nn.Module):
