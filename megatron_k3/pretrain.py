@@ -23,7 +23,7 @@ import time
 import torch
 
 from .cli import UsageError, friendly_errors
-from .config import ConfigError, get_preset, load_config
+from .config import ConfigError, get_preset
 from .layout import ParallelLayout
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")

@@ -6,7 +6,6 @@ import multiprocessing as mp
 import sys
 
 from ..cli import friendly_errors
-from ..config import ConfigError
 from .store import StoreWriter, default_workers, find_inputs, iter_documents, store_size_bytes
 from .tokenizer import file_sha256, load_tokenizer
 

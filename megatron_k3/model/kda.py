@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Linear, RMSNorm, acc_dtype, inverse_softplus, normal_, rms_norm, scaled_init_std, uniform_
+from .common import Linear, RMSNorm, acc_dtype, inverse_softplus, rms_norm, scaled_init_std, uniform_
 
 # ----------------------------------------------------------------------------------------------------
 # Functional pieces
