@@ -229,12 +229,13 @@ def main(argv=None):
     if tvocab > cfg.vocab_size:
         raise ConfigError(f"the token store's tokenizer has {tvocab} ids but the model's vocabulary is "
                           f"{cfg.vocab_size}: token ids would fall outside the embedding")
+    pad_id = None
     if args.tokenizer_model:
-        ident = load_tokenizer(args.tokenizer_model).identity()
-        if ident["sha256"] != manifest["tokenizer"]["sha256"]:
+        tok = load_tokenizer(args.tokenizer_model)
+        if tok.identity()["sha256"] != manifest["tokenizer"]["sha256"]:
             raise ConfigError(f"tokenizer {args.tokenizer_model} is not the one the store {args.data_path} "
                               "was tokenized with (sha256 differs)")
-    pad_id = load_tokenizer(args.tokenizer_model).pad_id if args.tokenizer_model else None
+        pad_id = tok.pad_id
 
     train(args, cfg, layout, warm, lr_at, pad_id)
 

@@ -129,9 +129,9 @@ class TokenLoader:
                 "seq_length": self.S, "global_batch_size": self.gb}
 
     def load_state_dict(self, sd: dict):
+        mine = self.state_dict()
         for k in ("seed", "num_windows", "seq_length", "global_batch_size"):
-            if sd[k] != getattr(self, {"seq_length": "S", "global_batch_size": "gb"}.get(k, k)):
-                raise ConfigError(f"loader state mismatch: saved {k}={sd[k]}, this run has "
-                                  f"{getattr(self, {'seq_length': 'S', 'global_batch_size': 'gb'}.get(k, k))}")
+            if sd[k] != mine[k]:
+                raise ConfigError(f"loader state mismatch: saved {k}={sd[k]}, this run has {mine[k]}")
         self.close()
         self.epoch, self.cursor = int(sd["epoch"]), int(sd["cursor"])

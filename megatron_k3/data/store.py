@@ -114,14 +114,15 @@ class StoreWriter:
         self.starts = self.group.create_array("doc_starts", shape=(0,), dtype="int64", chunks=(chunk_tokens,),
                                               compressors=comp)
         self.tokenizer_identity = tokenizer_identity
-        self.buf, self.buf_starts, self.n, self.docs, self.sources = [], [], 0, 0, []
+        self.buf, self.buf_starts, self.buffered, self.n, self.docs = [], [], 0, 0, 0
         self.flush_tokens = chunk_tokens * 16
 
     def add(self, ids: list[int]):
-        self.buf_starts.append(self.n + sum(len(b) for b in self.buf))
+        self.buf_starts.append(self.n + self.buffered)
         self.buf.append(np.asarray(ids, dtype=np.uint32))
+        self.buffered += len(ids)
         self.docs += 1
-        if sum(len(b) for b in self.buf) >= self.flush_tokens:
+        if self.buffered >= self.flush_tokens:
             self.flush()
 
     def flush(self):
@@ -130,7 +131,7 @@ class StoreWriter:
             self.tokens.append(data)
             self.starts.append(np.asarray(self.buf_starts, dtype=np.int64))
             self.n += len(data)
-            self.buf, self.buf_starts = [], []
+            self.buf, self.buf_starts, self.buffered = [], [], 0
 
     def close(self, sources: list[dict]) -> dict:
         self.flush()

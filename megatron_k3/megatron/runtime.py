@@ -75,7 +75,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
 def keep_fp32(chunks):
     """Parameters the spec keeps in fp32 (KDA A_log/dt_bias/convs/o_norm) after a dtype cast."""
     for c in chunks:
-        for mname, m in c.named_modules():
+        for m in c.modules():
             for pname in getattr(m, "fp32_params", ()):
                 p = m.get_parameter(pname)
                 p.data = p.data.float()

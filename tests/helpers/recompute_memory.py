@@ -41,11 +41,9 @@ def main():
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             lm, _ = chunks[0](input_ids=ids, labels=labels)
-        params = {p.untyped_storage().data_ptr() for p in chunks[0].parameters()}
         lm.backward()
         grads = {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
         out[mode] = {"saved_bytes": total[0], "loss": lm.item(), "grads": {n: g.norm().item() for n, g in grads.items()}}
-        del params
     ps.destroy_model_parallel()
     json.dump(out, open(sys.argv[1], "w"))
 
