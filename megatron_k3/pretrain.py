@@ -82,6 +82,19 @@ def build_parser():
     a("--export-weights", default=None,
       help="at the end, gather the weights into one HF-named state dict file (.pt, relative paths are in the "
            "run dir) on rank 0 (small models; e.g. for tools/probe_moe.py)")
+    # checkpoints (checkpoints_io/k3ckpt.py)
+    a("--save", default=None, help="checkpoint directory (iter_XXXXXXX/ + latest_checkpointed_iteration.txt)")
+    a("--load", default=None, help="resume from this directory's latest checkpoint (or an iter_* dir); a directory "
+                                   "without a checkpoint starts from scratch, so one command serves start and restart")
+    a("--save-interval", type=int, default=None, help="save every N steps (and at the end) when --save is given")
+    a("--ckpt-writer", choices=["odirect", "buffered"], default="odirect",
+      help="DCP storage writer: O_DIRECT (falls back to buffered with a warning where unsupported) or buffered")
+    a("--ckpt-keep-last", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
+    a("--no-load-optim", action="store_true", help="with --load: weights only; fresh optimizer")
+    a("--no-load-rng", action="store_true", help="with --load: do not restore the RNG states")
+    a("--exit-signal-handler", action="store_true",
+      help="on SIGTERM/SIGUSR1: finish the step, save a checkpoint, exit with code 3 (EXIT_SAVED_ON_SIGNAL)")
+    a("--exit-interval", type=int, default=None, help="stop (after saving, with --save) once the step is a multiple of N")
     a("--wandb-project", default=None, help="log online to this wandb project (default: offline run in the run dir)")
     a("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")
     return ap
@@ -207,6 +220,12 @@ def main(argv=None):
                     global_batch_size=args.global_batch_size, world_size=world)
     if args.train_iters < 1:
         raise UsageError("--train-iters must be >= 1")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise UsageError("--save-interval must be >= 1")
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        raise UsageError(f"--save {args.save} exists and is not a directory")
+    if args.load and not os.path.isdir(args.load):
+        raise UsageError(f"--load {args.load}: no such directory")
     if args.optimizer == "muon" and args.use_distributed_optimizer:
         raise UsageError("--optimizer muon runs without --use-distributed-optimizer (megatron's shards Adam state only)")
     warm, lr_at = lr_schedule(args)
@@ -229,15 +248,98 @@ def main(argv=None):
     if tvocab > cfg.vocab_size:
         raise ConfigError(f"the token store's tokenizer has {tvocab} ids but the model's vocabulary is "
                           f"{cfg.vocab_size}: token ids would fall outside the embedding")
-    pad_id = None
+    pad_id, args.tokenizer_identity = None, dict(manifest["tokenizer"])
     if args.tokenizer_model:
         tok = load_tokenizer(args.tokenizer_model)
+        args.tokenizer_identity = {**tok.identity(), "path": os.path.abspath(str(tok.path))}
         if tok.identity()["sha256"] != manifest["tokenizer"]["sha256"]:
             raise ConfigError(f"tokenizer {args.tokenizer_model} is not the one the store {args.data_path} "
                               "was tokenized with (sha256 differs)")
         pad_id = tok.pad_id
 
     train(args, cfg, layout, warm, lr_at, pad_id)
+
+
+EXIT_SAVED_ON_SIGNAL = 3
+
+
+def _install_signal_handler():
+    """SIGTERM/SIGUSR1 set a flag; the loop saves and exits at the next step boundary (all ranks agree)."""
+    import signal
+
+    state = {"flag": False}
+
+    def handler(signum, frame):
+        state["flag"] = True
+        print(f"[pretrain] received signal {signum}: saving at the end of this step", flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, handler)
+    return state
+
+
+def _agree(flag: bool) -> bool:
+    """True on every rank if any rank got the signal (a signal may reach only some ranks)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _trainer_state(args, loader, step, tokens_seen):
+    return {"consumed_tokens": tokens_seen, "loader": loader.state_dict(), "tokenizer": args.tokenizer_identity,
+            "optimizer": args.optimizer, "data_path": os.path.abspath(args.data_path),
+            "balancing": args.moe_router_load_balancing_type}
+
+
+def _save(args, cfg, chunks, opt, loader, step, tokens_seen):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from checkpoints_io.k3ckpt import save_checkpoint
+
+    t = time.time()
+    if getattr(args, "hf_shapes", None) is None:
+        args.hf_shapes = _shape_map(cfg)
+    path = save_checkpoint(args.save, step, chunks, opt, cfg, _trainer_state(args, loader, step, tokens_seen),
+                           tp_rank=ps.get_tensor_model_parallel_rank(), writer=args.ckpt_writer,
+                           keep_last=args.ckpt_keep_last, hf_shapes=args.hf_shapes)
+    if dist.get_rank() == 0:
+        print(f"[pretrain] saved step {step} to {path} in {time.time() - t:.2f} s", flush=True)
+
+
+def _resume(args, cfg, chunks, opt, loader):
+    """Load ``--load``'s latest checkpoint; returns (start step, consumed tokens)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from checkpoints_io.k3ckpt import CheckpointError, load_checkpoint
+
+    meta = load_checkpoint(args.load, chunks, opt, cfg, tp_rank=ps.get_tensor_model_parallel_rank(),
+                           load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+    if meta is None:
+        if dist.get_rank() == 0:
+            print(f"[pretrain] no checkpoint in {args.load}: starting from scratch", flush=True)
+        return 0, 0
+    if meta.get("weights_only"):
+        if dist.get_rank() == 0:
+            print(f"[pretrain] loaded weights from {meta['path']} (weights only: fresh optimizer and data order)",
+                  flush=True)
+        return 0, 0
+    tok = meta.get("tokenizer") or {}
+    if tok.get("sha256") and tok["sha256"] != args.tokenizer_identity.get("sha256"):
+        raise CheckpointError(f"{meta['path']}: saved with tokenizer {tok.get('file')} (sha256 {tok['sha256'][:12]}) "
+                              f"but this run uses {args.tokenizer_identity.get('file')} "
+                              f"(sha256 {args.tokenizer_identity.get('sha256', '')[:12]})")
+    if meta.get("optimizer") != args.optimizer and not args.no_load_optim:
+        raise CheckpointError(f"{meta['path']}: saved with --optimizer {meta.get('optimizer')}, this run uses "
+                              f"--optimizer {args.optimizer} (add --no-load-optim to load the weights only)")
+    loader.load_state_dict(meta["loader"])
+    if dist.get_rank() == 0:
+        print(f"[pretrain] resumed from {meta['path']} at step {meta['step']} "
+              f"({meta['consumed_tokens']:,} tokens consumed)", flush=True)
+    return int(meta["step"]), int(meta["consumed_tokens"])
 
 
 def _shape_map(cfg):
@@ -302,10 +404,14 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
               f"{n_params:,} parameters on rank 0; {args.train_iters} steps x {args.global_batch_size} x "
               f"{cfg.seq_length} tokens; warmup {warm} steps ({args.lr_warmup_fraction:.0%}); data "
               f"{args.data_path} ({loader.num_windows} windows)", flush=True)
+    start_step, tokens_seen = 0, 0
+    if args.load:
+        start_step, tokens_seen = _resume(args, cfg, chunks, opt, loader)
+    stop = _install_signal_handler() if args.exit_signal_handler else None
     t0 = time.time()
-    tokens_seen = 0
+    tokens_at_start = tokens_seen
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-    for step in range(args.train_iters):
+    for step in range(start_step, args.train_iters):
         lr = lr_at(step)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -345,7 +451,7 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
                 stats.update(g)
             dt = time.time() - t0
             rec = {"step": step + 1, "loss": loss, "lm_loss": loss, "lr": lr, "grad_norm": float(gnorm or 0.0),
-                   "tokens": tokens_seen, "tokens_per_s": tokens_seen / dt, "elapsed_s": round(dt, 3),
+                   "tokens": tokens_seen, "tokens_per_s": (tokens_seen - tokens_at_start) / dt, "elapsed_s": round(dt, 3),
                    "epoch": loader.epoch}
             if sums[1] > 0:
                 rec["mtp_loss"] = (sums[1] / sums[2]).item()
@@ -365,6 +471,22 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
                          f"dead {rec['dead_experts']}") if stats else ""
                 print(f"step {step + 1:6d}/{args.train_iters}  loss {loss:.4f}  lr {lr:.2e}  grad_norm "
                       f"{rec['grad_norm']:.3f}  {rec['tokens_per_s']:.0f} tok/s{extra}", flush=True)
+        done = step + 1
+        signalled = stop is not None and _agree(stop["flag"])
+        exiting = signalled or (args.exit_interval and done % args.exit_interval == 0 and done < args.train_iters)
+        if args.save and (done == args.train_iters or exiting or (args.save_interval and done % args.save_interval == 0)):
+            _save(args, cfg, chunks, opt, loader, done, tokens_seen)
+        if exiting:
+            loader.close()
+            if rank == 0:
+                log.close()
+                print(f"[pretrain] stopping after step {done} ({'signal' if signalled else '--exit-interval'})"
+                      + (f"; checkpoint in {args.save}" if args.save else ""), flush=True)
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+            if signalled:
+                raise SystemExit(EXIT_SAVED_ON_SIGNAL)
+            return
     loader.close()
     if args.export_weights:
         from .megatron.adapter import assemble, local_pieces
@@ -387,7 +509,7 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
         from .plots import plot_run
 
         plot_run(args.run_dir)
-        print(f"[pretrain] done: {args.train_iters} steps, {tokens_seen:,} tokens in {time.time() - t0:.1f} s; "
+        print(f"[pretrain] done: {args.train_iters} steps, {tokens_seen - tokens_at_start:,} tokens in {time.time() - t0:.1f} s; "
               f"metrics: {os.path.join(args.run_dir, 'metrics.jsonl')}", flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,0 +1,728 @@
+"""K3 checkpoints: sharded, layout-independent, atomic, checksummed; megatron-core ``dist_checkpointing`` on
+PyTorch distributed checkpointing (DCP) with the O_DIRECT writer.
+
+**Format.** Every tensor is stored as one *global* tensor under its official HF name (the golden model's
+``state_dict`` names, e.g. ``model.layers.3.block_sparse_moe.experts.5.w1.weight``); each rank contributes
+its shards as megatron ``ShardedTensor`` s with global offsets taken from the weight adapter
+(``megatron_k3/megatron/adapter.py``: ``local[local_index] == hf[hf_name][hf_index]``). A shard held by
+several ranks (DP replicas, TP-replicated norms, expert-DP replicas) is written once, by the lowest rank
+holding it. Optimiser state is stored the same way, in *parameter space*: for every parameter its
+param-shaped fp32 states (``master`` weights when the model is bf16, ``exp_avg``/``exp_avg_sq`` for Adam,
+``momentum`` for Muon) under ``optimizer.<state>.<hf_name>``; megatron's distributed optimiser's flat DP
+shards are assembled into parameter space on save and sliced back on load. Hence **any checkpoint loads
+into any TP/PP/EP/CP/DP layout** (resharding is just a different set of global offsets), and HF export reads
+the ``model.*``/``lm_head.*`` keys directly. Per-rank RNG states are a ``ShardedObject`` ``rng`` (restored
+when the world size is unchanged). Trainer state (step, consumed tokens, loader position, config,
+tokenizer identity) lives in ``k3_checkpoint.json``.
+
+**Layout on disk**::
+
+    SAVE/iter_0000020/                 __<rank>_0.distcp, .metadata, metadata.json (DCP + megatron)
+                      k3_checkpoint.json   trainer state + per-file size and CRC32 (written last)
+    SAVE/latest_checkpointed_iteration.txt   "20": the newest complete checkpoint
+
+**Atomicity.** A checkpoint is written into ``iter_XXXXXXX.tmp``; after every rank has finished and
+rank 0 has written ``k3_checkpoint.json`` and fsynced the files and the directory, the directory is renamed
+to ``iter_XXXXXXX`` (fsync of the parent), and only then ``latest_checkpointed_iteration.txt`` is replaced
+through a temporary file + ``os.replace`` (+ fsync). A crash at any moment leaves ``latest`` pointing at
+the previous complete checkpoint; ``.tmp`` leftovers are ignored and removed by the next save. Retention
+(keep last N) deletes only older complete checkpoints, never the one ``latest`` names. Weights with a
+NaN/Inf are refused before anything is written.
+
+**Verification on load.** Missing ``k3_checkpoint.json`` (incomplete), missing DCP metadata, a file whose
+size or CRC32 differs from the recorded one, or a model config that differs from the running one raise
+``CheckpointError`` naming the file; nothing on disk is modified by loading.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from megatron_k3.config import ConfigError
+
+FORMAT = "megatron-k3/1"
+LATEST = "latest_checkpointed_iteration.txt"
+META = "k3_checkpoint.json"
+OPT_PREFIX = "optimizer."
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used (incomplete, corrupt, or for another model); names the file."""
+
+
+def iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+# ------------------------------------------------------------------------------------------------------
+# storage: checksumming wrapper around the O_DIRECT / buffered DCP writers
+class _CRCStream:
+    def __init__(self, inner, sink, name):
+        self.inner, self.sink, self.name = inner, sink, name
+        self.crc, self.n = 0, 0
+
+    def write(self, data):
+        mv = memoryview(data).cast("B")
+        self.crc = zlib.crc32(mv, self.crc)
+        self.n += len(mv)
+        return self.inner.write(data)
+
+    def __getattr__(self, k):
+        return getattr(self.inner, k)
+
+
+def _crc_filesystem(base_cls):
+    class CRCFileSystem(base_cls):
+        """Records size and CRC32 of every file written (computed from the bytes as they pass)."""
+
+        digests: dict
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as s:
+                if mode != "wb":
+                    yield s
+                    return
+                w = _CRCStream(s, None, os.path.basename(str(path)))
+                yield w
+                self.digests[w.name] = {"bytes": w.n, "crc32": w.crc}
+
+        def rename(self, path, new_path):  # DCP writes .metadata.tmp and renames it
+            super().rename(path, new_path)
+            old = os.path.basename(str(path))
+            if old in self.digests:
+                self.digests[os.path.basename(str(new_path))] = self.digests.pop(old)
+
+    return CRCFileSystem
+
+
+def _checksumming_writer(path, kind: str):
+    from checkpoints_io.odirect import make_writer
+
+    writer = make_writer(path, kind)
+    fs_cls = _crc_filesystem(type(writer.fs))
+    fs = fs_cls.__new__(fs_cls)
+    fs.__dict__.update(writer.fs.__dict__)
+    fs.digests = {}
+    writer.fs = fs
+    return writer
+
+
+def _save_strategy(kind: str, digests_out: dict):
+    from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
+                                                                   _replace_state_dict_keys_with_sharded_keys,
+                                                                   mcore_to_pyt_state_dict)
+
+    class K3SaveStrategy(TorchDistSaveShardedStrategy):
+        """megatron's torch_dist format, written synchronously through our storage writer."""
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            import torch.distributed.checkpoint as dcp
+
+            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            pyt = mcore_to_pyt_state_dict(sd, False)
+            writer = _checksumming_writer(str(checkpoint_dir), kind)
+            dcp.save(pyt, storage_writer=writer,
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                              flatten_sharded_tensors=False))
+            digests_out.update(writer.fs.digests)
+
+    return K3SaveStrategy()
+
+
+def _fsync_path(p):
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_crc(path, bufsize=16 << 20):
+    crc, n = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(bufsize)
+            if not b:
+                return {"bytes": n, "crc32": crc}
+            crc = zlib.crc32(b, crc)
+            n += len(b)
+
+
+# ------------------------------------------------------------------------------------------------------
+# optimiser state in parameter space
+def _optimizers(opt):
+    subs = getattr(opt, "chained_optimizers", None)
+    return list(subs) if subs is not None else [opt]
+
+
+def _state_tensors(st: dict) -> dict:
+    return {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
+def optimizer_param_states(opt, params) -> tuple[dict, int]:
+    """``({param: {state_name: param-shaped fp32 tensor}}, steps)`` for every parameter in ``params``.
+
+    Knows megatron's FP32Optimizer / Float16OptimizerWithFloat16Params / DistributedOptimizer (in a
+    ChainedOptimizer or alone) and ``megatron_k3.optim.MuonAdamW``. Collective for the distributed optimizer
+    (its DP group)."""
+    import torch.distributed as dist
+
+    from megatron_k3.optim import MuonAdamW
+
+    out, steps = {}, 0
+    want = set(params)
+    for o in _optimizers(opt):
+        if isinstance(o, MuonAdamW):
+            for group in o.param_groups:
+                for p in group["params"]:
+                    st = o.state.get(p, {})
+                    out[p] = {k: v.float() for k, v in _state_tensors(st).items()}
+                    steps = max(steps, int(st.get("step", 0)))
+            continue
+        if hasattr(o, "model_param_gbuf_map"):  # DistributedOptimizer: flat DP shards -> parameter space
+            mparams = [p for b in o.buffers for p in b.params if p in want]
+            local = {}
+            names: set = set()
+            for p in mparams:
+                if p not in o.model_param_group_index_map:
+                    continue
+                r = o._get_model_param_range_map(p)["param"]
+                tens = o._get_main_param_and_optimizer_states(p)
+                for k, v in tens.items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 0:
+                        steps = max(steps, int(v.item()))
+                local[p] = (r, {k: v for k, v in tens.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+                names |= set(local[p][1])
+            gl = [None] * dist.get_world_size(o.data_parallel_group)
+            dist.all_gather_object(gl, sorted(names), group=o.data_parallel_group)
+            names = sorted(set().union(*map(set, gl)))
+            full = {p: {n: torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for n in names}
+                    for p in mparams}
+            for p, (r, tens) in local.items():
+                for n, v in tens.items():
+                    full[p][n][r.start:r.end] = v.detach().float().view(-1)
+            if full:
+                flat = torch.cat([full[p][n] for p in mparams for n in names])
+                dist.all_reduce(flat, group=o.data_parallel_group)
+                off = 0
+                for p in mparams:
+                    out[p] = {}
+                    for n in names:
+                        out[p]["master" if n == "param" else n] = flat[off:off + p.numel()].view(p.shape).clone()
+                        off += p.numel()
+            st_steps = torch.tensor([steps], dtype=torch.int64)
+            dist.all_reduce(st_steps, op=dist.ReduceOp.MAX, group=o.data_parallel_group)
+            steps = int(st_steps.item())
+            continue
+        inner = o.optimizer
+        masters = {}
+        if hasattr(o, "float16_groups"):
+            for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups):
+                for mp, fp in zip(mg, fg):
+                    masters[fp] = mp
+        for group in inner.param_groups:
+            for q in group["params"]:
+                model_p = masters.get(q, q)
+                st = inner.state.get(q, {})
+                d = {k: v.detach().float().clone() for k, v in _state_tensors(st).items()}
+                if q is not model_p:
+                    d["master"] = q.detach().float().clone()
+                if "step" in st:
+                    steps = max(steps, int(float(st["step"])))
+                out[model_p] = d
+    return out, steps
+
+
+def load_optimizer_param_states(opt, states: dict, steps: int):
+    """Inverse of :func:`optimizer_param_states`: ``states`` maps parameters to param-shaped tensors."""
+    from megatron_k3.optim import MuonAdamW
+
+    for o in _optimizers(opt):
+        if isinstance(o, MuonAdamW):
+            for group in o.param_groups:
+                for p in group["params"]:
+                    d = states.get(p)
+                    if not d:
+                        continue
+                    st = o.state[p]
+                    for k, v in d.items():
+                        st[k] = v.to(device=p.device, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32).clone()
+                    if "exp_avg" in d:
+                        st["step"] = steps
+            continue
+        if hasattr(o, "model_param_gbuf_map"):
+            for p in o.model_param_group_index_map:
+                d = states.get(p)
+                if not d:
+                    continue
+                r = o._get_model_param_range_map(p)["param"]
+                gi, go = o.model_param_group_index_map[p]
+                main = o.optimizer.param_groups[gi]["params"][go]
+                st = o.optimizer.state[main]
+                for k, v in d.items():
+                    piece = v.reshape(-1)[r.start:r.end]
+                    if k == "master":
+                        main.data.copy_(piece.to(main.dtype))
+                    else:
+                        st[k] = piece.to(device=main.device, dtype=main.dtype).clone()
+                if any(k != "master" for k in d):
+                    st["step"] = torch.tensor(float(steps))
+            continue
+        inner = o.optimizer
+        masters = {}
+        if hasattr(o, "float16_groups"):
+            for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups):
+                for mp, fp in zip(mg, fg):
+                    masters[fp] = mp
+        for group in inner.param_groups:
+            for q in group["params"]:
+                d = states.get(masters.get(q, q))
+                if not d:
+                    continue
+                st = inner.state[q]
+                for k, v in d.items():
+                    if k == "master":
+                        q.data.copy_(v.to(q.dtype))
+                    else:
+                        st[k] = v.to(device=q.device, dtype=q.dtype).clone()
+                if any(k != "master" for k in d):
+                    st["step"] = torch.tensor(float(steps))
+
+
+# ------------------------------------------------------------------------------------------------------
+# sharded state dict in HF names
+def _offsets(hidx, gshape, lshape, key):
+    off, frag = [], []
+    for d, (s, G, L) in enumerate(zip(hidx, gshape, lshape)):
+        start = s.start or 0
+        if L == 0 or G % L or start % L:
+            raise CheckpointError(f"{key}: shard of shape {tuple(lshape)} at offset {start} on axis {d} does not "
+                                  f"tile the global shape {tuple(gshape)}")
+        off.append(start)
+        frag.append(G // L)
+    return tuple(off), tuple(frag)
+
+
+def model_pieces(chunks, tp_rank: int, hf_shapes: dict):
+    """[(hf_name, param_or_buffer, hf_index, local_index)] for every local tensor of ``chunks``."""
+    from megatron_k3.megatron import adapter
+
+    out = []
+    for c in chunks:
+        for name, t in adapter._named_tensors(c).items():
+            for hf, hidx, lidx in adapter.pieces(c, name, t, tp_rank, hf_shapes):
+                out.append((hf, t, hidx, lidx))
+    return out
+
+
+def _owners(entries):
+    """replica_id per (key, offset): 0 on the lowest rank holding that shard, 1 elsewhere (collective)."""
+    import torch.distributed as dist
+
+    mine = [(k, off) for k, off in entries]
+    allr = [None] * dist.get_world_size()
+    dist.all_gather_object(allr, mine)
+    owner = {}
+    for r, lst in enumerate(allr):
+        for e in lst:
+            owner.setdefault(tuple(e), r)
+    me = dist.get_rank()
+    return [0 if owner[(k, off)] == me else 1 for k, off in mine]
+
+
+def _sharded(entries, replica):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    sd = {}
+    for (key, data, gshape, off, frag), rid in zip(entries, replica):
+        sd[key + "@" + ",".join(map(str, off))] = ShardedTensor(
+            key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape), global_shape=tuple(gshape),
+            global_offset=off, axis_fragmentations=frag, replica_id=rid)
+    return sd
+
+
+def _rng_state():
+    import random
+
+    import numpy as np
+
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        st["tracker"] = get_cuda_rng_tracker().get_states()
+    except Exception:  # noqa: BLE001  (no tracker on this backend)
+        pass
+    return st
+
+
+def _set_rng_state(st):
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    if "tracker" in st:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(st["tracker"])
+
+
+def _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=True, opt_state_names=None):
+    """(sharded_state_dict, [(hf, param, hidx, lidx)], opt_states) for save (``opt_state_names`` None) or load."""
+    pieces = model_pieces(chunks, tp_rank, hf_shapes)
+    entries = []
+    for hf, t, hidx, lidx in pieces:
+        data = t.data[lidx]
+        off, frag = _offsets(hidx, hf_shapes[hf], data.shape, hf)
+        entries.append((hf, data, hf_shapes[hf], off, frag))
+    opt_states = {}
+    if with_optimizer and opt is not None:
+        if opt_state_names is None:  # saving: read the optimiser
+            opt_states, _ = optimizer_param_states(opt, [t for _, t, _, _ in pieces if isinstance(t, torch.nn.Parameter)])
+        for hf, t, hidx, lidx in pieces:
+            if opt_state_names is None:
+                names = sorted(opt_states.get(t, {}))
+            else:  # loading: allocate param-shaped targets for the states the checkpoint has
+                names = opt_state_names.get(hf, [])
+                if names and t not in opt_states:
+                    opt_states[t] = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for n in names}
+            for n in names:
+                data = opt_states[t][n][lidx]
+                off, frag = _offsets(hidx, hf_shapes[hf], data.shape, hf)
+                entries.append((f"{OPT_PREFIX}{n}.{hf}", data, hf_shapes[hf], off, frag))
+    replica = _owners([(e[0], e[3]) for e in entries])
+    return _sharded(entries, replica), pieces, opt_states
+
+
+# ------------------------------------------------------------------------------------------------------
+# save
+def _all_finite(chunks) -> bool:
+    import torch.distributed as dist
+
+    ok = torch.tensor([1], dtype=torch.int32)
+    for c in chunks:
+        for p in c.parameters():
+            if not bool(torch.isfinite(p.data).all()):
+                ok.zero_()
+                break
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def save_checkpoint(root: str, step: int, chunks, opt, cfg, trainer_state: dict, *, tp_rank: int,
+                    writer: str = "odirect", keep_last: int = 0, hf_shapes: dict | None = None) -> str:
+    """Collective. Writes ``root/iter_<step>`` atomically and switches ``latest``; returns the directory."""
+    import torch.distributed as dist
+
+    if not _all_finite(chunks):
+        raise CheckpointError(f"refusing to save step {step} to {root}: the weights contain NaN/Inf "
+                              "(the previous checkpoint is kept)")
+    hf_shapes = hf_shapes or hf_shape_map(cfg)
+    sd, pieces, opt_states = _sharded_state(chunks, opt, tp_rank, hf_shapes)
+    state_names = {hf: sorted(opt_states[t]) for hf, t, _, _ in pieces if t in opt_states}
+    names_all = [None] * dist.get_world_size()
+    dist.all_gather_object(names_all, state_names)
+    state_names = {k: v for d in names_all for k, v in d.items()}
+    steps = _opt_steps(opt) if opt is not None else 0
+    return _write(root, step, sd, cfg, {"optimizer_states": state_names, "optimizer_steps": steps, **trainer_state},
+                  writer=writer, keep_last=keep_last, rng=True)
+
+
+def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rng=True):
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(root, iter_name(step))
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for p in Path(root).glob("iter_*.tmp"):  # leftovers of crashed saves
+            shutil.rmtree(p, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    if rng:
+        sd["rng"] = ShardedObject("rng", _rng_state(), (world,), (rank,), replica_id=0)
+    digests: dict = {}
+    dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(writer, digests))
+    allg = [None] * world
+    dist.all_gather_object(allg, digests)
+    if rank == 0:
+        files = {}
+        for d in allg:
+            files.update(d)
+        for f in sorted(os.listdir(tmp)):  # files written outside the checksumming writer (metadata.json)
+            if f not in files:
+                files[f] = _file_crc(os.path.join(tmp, f))
+                _fsync_path(os.path.join(tmp, f))
+        meta = {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": world, "files": files,
+                **meta_extra}
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if os.path.exists(final):  # a complete checkpoint of the same step that `latest` does not name
+            stale = final + f".stale-{os.getpid()}"
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_path(root)
+        _write_latest(root, step)
+        if keep_last > 0:
+            _retain(root, keep_last, step)
+    dist.barrier()
+    return final
+
+
+def _opt_steps(opt) -> int:
+    """Optimizer steps taken (the largest per-parameter step count; all are equal in practice)."""
+    import torch.distributed as dist
+
+    from megatron_k3.optim import MuonAdamW
+
+    steps = 0
+    for o in _optimizers(opt):
+        inner = o if isinstance(o, MuonAdamW) else o.optimizer
+        for st in inner.state.values():
+            if "step" in st:
+                steps = max(steps, int(float(st["step"])))
+    t = torch.tensor([steps], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _write_latest(root, step):
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_path(root)
+
+
+def complete_steps(root) -> list[int]:
+    out = []
+    for p in Path(root).glob("iter_*"):
+        if p.is_dir() and not p.name.endswith(".tmp") and (p / META).is_file() and p.name[5:].isdigit():
+            out.append(int(p.name[5:]))
+    return sorted(out)
+
+
+def _retain(root, keep_last, newest):
+    steps = complete_steps(root)
+    for s in steps[:-keep_last] if keep_last < len(steps) else []:
+        if s != newest:
+            shutil.rmtree(os.path.join(root, iter_name(s)), ignore_errors=True)
+
+
+def latest_step(root) -> int | None:
+    p = os.path.join(root, LATEST)
+    if not os.path.isfile(p):
+        return None
+    txt = open(p).read().strip()
+    if not txt.isdigit():
+        raise CheckpointError(f"{p}: expected a step number, found {txt[:40]!r}")
+    return int(txt)
+
+
+# ------------------------------------------------------------------------------------------------------
+# load
+def resolve(path, step: int | None = None) -> str | None:
+    """The checkpoint directory for ``path`` (a save dir with ``latest``, or an ``iter_*`` dir); None if
+    ``path`` holds no checkpoint yet."""
+    p = Path(path)
+    if (p / META).is_file() or p.name.startswith("iter_"):
+        return str(p)
+    if step is None:
+        step = latest_step(p)
+        if step is None:
+            if complete_steps(p) or list(p.glob("iter_*")):
+                raise CheckpointError(f"{p / LATEST} is missing but {p} holds checkpoint directories; pass one of "
+                                      "them explicitly")
+            return None
+    d = p / iter_name(step)
+    if not d.is_dir():
+        raise CheckpointError(f"{p / LATEST} names step {step} but {d} does not exist")
+    return str(d)
+
+
+def read_meta(ckpt_dir) -> dict:
+    mp = os.path.join(ckpt_dir, META)
+    if not os.path.isfile(mp):
+        raise CheckpointError(f"incomplete checkpoint: {mp} is missing (the save did not finish)")
+    try:
+        with open(mp) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{mp} is corrupt: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{mp}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def verify_files(ckpt_dir, meta, rank: int = 0, world: int = 1) -> list[str]:
+    """Errors (one line each, naming the file) for this rank's share of the recorded files."""
+    errors = []
+    files = sorted(meta["files"].items())
+    for want in (".metadata", "metadata.json"):
+        if want not in meta["files"]:
+            errors.append(f"{os.path.join(ckpt_dir, want)}: not recorded in {META}")
+    for i, (name, rec) in enumerate(files):
+        if i % world != rank:
+            continue
+        fp = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(fp):
+            errors.append(f"{fp}: missing")
+            continue
+        size = os.path.getsize(fp)
+        if size != rec["bytes"]:
+            errors.append(f"{fp}: {size} bytes, expected {rec['bytes']} (truncated or overwritten)")
+            continue
+        if _file_crc(fp)["crc32"] != rec["crc32"]:
+            errors.append(f"{fp}: CRC32 mismatch (corrupted)")
+    return errors
+
+
+def check_config(ckpt_dir, meta, cfg):
+    saved, mine = meta["config"], cfg.to_dict()
+    diff = sorted(k for k in set(saved) | set(mine) if k not in ("name", "seq_length") and saved.get(k) != mine.get(k))
+    if diff:
+        k = diff[0]
+        raise CheckpointError(f"{os.path.join(ckpt_dir, META)}: saved for another model: {len(diff)} config field(s) "
+                              f"differ, e.g. {k}={saved.get(k)!r} there vs {mine.get(k)!r} here")
+
+
+def load_checkpoint(path, chunks, opt, cfg, *, tp_rank: int, step: int | None = None, load_optim: bool = True,
+                    load_rng: bool = True, hf_shapes: dict | None = None) -> dict | None:
+    """Collective. Verifies and loads a checkpoint into ``chunks`` (and ``opt``); returns its metadata
+    (trainer state), or None when ``path`` holds no checkpoint yet."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = resolve(path, step)
+    if d is None:
+        return None
+    meta = read_meta(d)
+    errs = verify_files(d, meta, rank, world)
+    allerr = [None] * world
+    dist.all_gather_object(allerr, errs)
+    errs = [e for lst in allerr for e in lst]
+    if errs:
+        raise CheckpointError(errs[0] + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""))
+    check_config(d, meta, cfg)
+    hf_shapes = hf_shapes or hf_shape_map(cfg)
+    weights_only = bool(meta.get("weights_only"))
+    use_opt = load_optim and not weights_only and opt is not None
+    sd, pieces, opt_states = _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=use_opt,
+                                            opt_state_names=meta.get("optimizer_states", {}))
+    rng_ok = load_rng and not weights_only and meta.get("world_size") == world
+    if rng_ok:
+        sd["rng"] = ShardedObject("rng", None, (world,), (rank,), replica_id=0)
+    loaded = dist_checkpointing.load(sd, d)
+    with torch.no_grad():
+        for k, v in loaded.items():
+            if k == "rng":
+                continue
+            target = sd[k].data
+            if v.data_ptr() != target.data_ptr():
+                target.copy_(v)
+        # the pieces were loaded into views of the parameters; buffers too (expert bias)
+    if use_opt:
+        load_optimizer_param_states(opt, opt_states, int(meta.get("optimizer_steps", meta["step"])))
+    if rng_ok:
+        _set_rng_state(loaded["rng"])
+    meta["path"] = d
+    return meta
+
+
+def hf_shape_map(cfg) -> dict:
+    from megatron_k3.model import K3ForCausalLM
+
+    with torch.device("meta"):
+        return {k: v.shape for k, v in K3ForCausalLM(cfg, init=False).state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------------------
+# weights only: HF export / import (single process)
+@contextmanager
+def _world_of_one():
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as td:
+        dist.init_process_group("gloo", init_method=f"file://{td}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def write_weights(out_dir, tensors, cfg, step: int = 0, tokenizer: dict | None = None, writer: str = "odirect") -> str:
+    """Weights-only checkpoint (HF names -> full tensors) that the trainer's ``--load`` accepts (optimizer,
+    data position and RNG start fresh). ``tensors``: dict or iterable of (name, tensor)."""
+    items = dict(tensors.items() if isinstance(tensors, dict) else tensors)
+    shapes = hf_shape_map(cfg)
+    missing = sorted(set(shapes) - set(items))
+    extra = sorted(set(items) - set(shapes))
+    if missing or extra:
+        raise CheckpointError(f"weights do not match the model config: {len(missing)} missing (e.g. "
+                              f"{missing[:1]}), {len(extra)} unexpected (e.g. {extra[:1]})")
+    for k, v in items.items():
+        if tuple(v.shape) != tuple(shapes[k]):
+            raise CheckpointError(f"{k}: shape {tuple(v.shape)}, the config expects {tuple(shapes[k])}")
+        if not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"refusing to write {out_dir}: {k} contains NaN/Inf")
+    with _world_of_one():
+        entries = [(k, v.detach().contiguous(), v.shape, (0,) * v.dim(), (1,) * v.dim()) for k, v in items.items()]
+        sd = _sharded(entries, [0] * len(entries))
+        return _write(out_dir, step, sd, cfg, {"weights_only": True, "tokenizer": tokenizer, "consumed_tokens": 0},
+                      writer=writer, rng=False)
+
+
+def read_weights(path, step: int | None = None):
+    """``(meta, {hf_name: (shape, dtype)}, get)`` for the model tensors of a checkpoint; ``get(names)`` loads
+    just those (full tensors, any save layout). Verifies checksums first. Single process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    d = resolve(path, step)
+    if d is None:
+        raise CheckpointError(f"{path}: no checkpoint ({LATEST} missing)")
+    meta = read_meta(d)
+    errs = verify_files(d, meta)
+    if errs:
+        raise CheckpointError(errs[0])
+    md = FileSystemReader(d).read_metadata().state_dict_metadata
+    names = {k: (tuple(v.size), v.properties.dtype) for k, v in md.items()
+             if hasattr(v, "size") and not k.startswith(OPT_PREFIX)}
+
+    def get(which):
+        out = {n: torch.empty(names[n][0], dtype=names[n][1]) for n in which}
+        dcp.load(out, storage_reader=FileSystemReader(d), no_dist=True)
+        return out
+
+    meta["path"] = d
+    return meta, names, get
