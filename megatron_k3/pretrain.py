@@ -224,8 +224,8 @@ def main(argv=None):
         raise UsageError("--save-interval must be >= 1")
     if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
         raise UsageError(f"--save {args.save} exists and is not a directory")
-    if args.load and not os.path.isdir(args.load):
-        raise UsageError(f"--load {args.load}: no such directory")
+    if args.load and not os.path.exists(args.load) and os.path.abspath(args.load) != os.path.abspath(args.save or ""):
+        raise UsageError(f"--load {args.load}: no such directory (only --load equal to --save may not exist yet)")
     if args.optimizer == "muon" and args.use_distributed_optimizer:
         raise UsageError("--optimizer muon runs without --use-distributed-optimizer (megatron's shards Adam state only)")
     warm, lr_at = lr_schedule(args)

@@ -231,3 +231,69 @@ def test_weights_only_checkpoint_round_trip_and_trainer_load(root, tmp_path):
     assert "weights only" in r.stdout
     r2 = run(root, "--train-iters", 10, "--exit-interval", 1, "--run-dir", tmp_path / "r2")
     assert losses(tmp_path / "r") == losses(tmp_path / "r2")
+
+
+def test_sigkill_at_random_moments_under_the_supervisor(root, tmp_path):
+    """A k3-tiny run is SIGKILLed 10 times (at random moments of training and, every third time, in the middle
+    of a checkpoint write) and restarted by launchers/supervisor.py each time: the per-step losses and the
+    final weights equal an uninterrupted run bit for bit, and `latest` always names a complete, verified
+    checkpoint."""
+    import random
+    import time
+
+    import psutil
+
+    from checkpoints_io.k3ckpt import read_meta, resolve, verify_files
+
+    steps, n_kills = 30, 10
+    common = ["--train-iters", steps, "--export-weights", "w.pt"]
+    run(root, *common, "--run-dir", tmp_path / "ref")
+    save, metrics = tmp_path / "ckpt", tmp_path / "run" / "metrics.jsonl"
+    cmd = [sys.executable, os.path.join(root, "launchers", "supervisor.py"), "--max-failures", "5", "--backoff",
+           "0.1", "--save", str(save), "--", sys.executable, os.path.join(root, "launchers", "pretrain_k3.py"),
+           *TRAIN, *map(str, common), "--run-dir", str(tmp_path / "run"), "--save", str(save), "--load", str(save),
+           "--save-interval", "2"]
+    sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(root), cwd=root)
+    rng = random.Random(0)
+    kills, mid_write = 0, 0
+
+    def n_lines():
+        return sum(1 for _ in open(metrics)) if metrics.exists() else 0
+
+    def tmp_dirs():
+        return {(p.name, p.stat().st_ino) for p in save.glob("iter_*.tmp")} if save.exists() else set()
+
+    deadline = time.time() + 500
+    while kills < n_kills and sup.poll() is None and time.time() < deadline:
+        try:
+            kids = psutil.Process(sup.pid).children()
+        except psutil.NoSuchProcess:
+            break
+        if not kids:
+            time.sleep(0.02)
+            continue
+        c, lines0, old_tmp = kids[0], n_lines(), tmp_dirs()
+        while n_lines() == lines0 and c.is_running() and time.time() < deadline:  # until it trains
+            time.sleep(0.01)
+        if kills % 3 == 2:  # kill in the middle of the next checkpoint write
+            while not (tmp_dirs() - old_tmp) and c.is_running() and time.time() < deadline:
+                time.sleep(0.002)
+            mid_write += bool(tmp_dirs() - old_tmp)
+        else:
+            time.sleep(rng.uniform(0.0, 3.0))
+        try:
+            c.kill()
+            c.wait(10)
+        except psutil.NoSuchProcess:
+            continue
+        kills += 1
+        if (save / "latest_checkpointed_iteration.txt").exists():  # latest names a complete, intact checkpoint
+            d = resolve(save)
+            assert verify_files(d, read_meta(d)) == []
+    out, _ = sup.communicate(timeout=600)
+    assert sup.returncode == 0, out[-4000:]
+    assert kills == n_kills and mid_write >= 3, (kills, mid_write, out[-3000:])
+    ref, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, steps + 1))
+    assert all(got[s] == ref[s] for s in ref), [(s, ref[s], got[s]) for s in ref if got[s] != ref[s]][:3]
+    assert_same_weights(tmp_path / "ref" / "w.pt", tmp_path / "run" / "w.pt")
