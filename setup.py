@@ -23,7 +23,7 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda130==2.4.0"],
-        "eval": ["transformers>=5.17", "lm-eval==0.4.13", "safetensors"],
+        "eval": ["transformers==5.23.0", "safetensors==0.8.0", "lm-eval==0.4.13", "accelerate==1.15.0"],
         "dev": ["pytest==9.2.0"],
     },
 )

@@ -12,6 +12,11 @@ model, and by HF export). Rules:
   ``gate.e_score_correction_bias``, ``experts.local_experts.{j}.linear_fc1`` <-> ``[experts.{e}.w1; w3]`` and
   ``linear_fc2`` <-> ``experts.{e}.w2`` with ``e = ep_rank * local_experts + j``;
 - model-level names get the ``model.`` prefix (``lm_head`` does not); ``mtp_heads.{k}`` <-> ``model.mtp.{k}``.
+
+Exported HF directories (``tools/convert_to_hf.py`` / ``convert_from_hf.py``) add one more naming step on
+top of these HF names, kept in ``megatron_k3/hf/names.py`` and reached through :func:`release_name_shape`
+and :func:`release_import_plan`: the K3 release layout (``language_model.`` prefix, ``A_log`` zero-padded to
+a multiple of 128, MXFP4 experts on import) and the Kimi Linear layout of transformers' native classes.
 """
 from __future__ import annotations
 
@@ -106,3 +111,19 @@ def assemble(all_pieces, hf_shapes: dict):
         full[hf][hidx] = val
         covered[hf][hidx] = True
     return full, covered
+
+
+# ---- exported HF directories (megatron_k3/hf/names.py) -------------------------------------------------
+def release_name_shape(hf_name: str, shape, cfg, layout: str = "k3"):
+    """(name, shape) of an HF-named tensor in an exported directory: ``layout`` "k3" (the K3 release) or
+    "kimi_linear" (transformers' native Kimi Linear)."""
+    from ..hf.names import export_name_shape
+
+    return export_name_shape(hf_name, shape, cfg, layout)
+
+
+def release_import_plan(source_names, cfg):
+    """How each HF name is rebuilt from an exported/released directory's tensors (``names.ImportPlan``)."""
+    from ..hf.names import ImportPlan
+
+    return ImportPlan(source_names, cfg)

@@ -1,0 +1,1 @@
+"""Evaluation: HellaSwag with lm-eval's exact task definition (``hellaswag.py``)."""
