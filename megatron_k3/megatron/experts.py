@@ -1,0 +1,60 @@
+"""Routed experts as two grouped GEMMs: megatron's ``SequentialMLP`` (same parameters, same names, same
+checkpoint pieces) with a forward that does not loop over experts.
+
+For the tokens already permuted by the dispatcher into expert order, with ``n_e`` tokens for local expert
+``e`` and ``offs = cumsum(n)``::
+
+    H   = grouped_mm(X, W1ᵀ, offs)          # [T, 2F]: row block e uses W1[e] = [w1_e; w3_e]
+    A   = act(H) * p                         # SiTU-GLU (the streaming op) times the routing prob
+    Y   = grouped_mm(A, W2ᵀ, offs)          # [T, L]
+
+``torch._grouped_mm`` runs the E GEMMs as one kernel (CUTLASS on Hopper) and takes the group boundaries
+from a device tensor, so neither a Python loop of 3 x E GEMMs nor ``tokens_per_expert.tolist()`` (a
+host sync) is needed. The per-expert weights are stacked once per forward (a copy of the local expert
+weights; autograd splits the gradient back to each expert's parameter, so DDP, the optimizers, the
+checkpoint adapter and Muon's per-matrix view are unchanged). Falls back to the loop when the grouped
+kernel cannot be used (dtype other than fp32/bf16/fp16, or a row stride that is not a multiple of 16 bytes).
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+
+def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[rows of group e] = x[rows of group e] @ w_t[e]`` with group ends ``offs``: ``torch._grouped_mm``
+    on CUDA; on the CPU (whose ``_grouped_mm`` has no backward in torch 2.14) the same product by a loop."""
+    if x.is_cuda:
+        return torch._grouped_mm(x, w_t, offs=offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    return torch.cat([x[a:b] @ w_t[e] for e, (a, b) in enumerate(zip(starts, ends))], dim=0)
+
+
+def grouped_ok(x: torch.Tensor, widths) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return all((w * x.element_size()) % 16 == 0 for w in widths)
+
+
+class GroupedExperts(SequentialMLP):
+    """``SequentialMLP`` whose forward is two grouped GEMMs (see the module docstring)."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        experts = self.local_experts
+        fc1 = [e.linear_fc1.weight for e in experts]
+        fc2 = [e.linear_fc2.weight for e in experts]
+        if (self.config.moe_apply_probs_on_input or self.config.fp8 or getattr(self.config, "fp4", None)
+                or experts[0].linear_fc1.bias is not None
+                or not grouped_ok(x, (fc1[0].shape[1], fc1[0].shape[0], fc2[0].shape[1], fc2[0].shape[0]))):
+            return super().forward(x, tokens_per_expert, permuted_probs)
+        if not torch.is_tensor(tokens_per_expert):
+            tokens_per_expert = torch.tensor(tokens_per_expert)
+        offs = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
+        w1 = torch.stack(fc1).to(x.dtype)  # [E, 2F, L]
+        w2 = torch.stack(fc2).to(x.dtype)  # [E, L, F]
+        h = grouped_mm(x, w1.transpose(1, 2), offs)
+        h = experts[0].activation_func(h)
+        h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
+        return grouped_mm(h, w2.transpose(1, 2), offs), None
