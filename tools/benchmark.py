@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Training-throughput benchmark of the megatron K3 model (first version: the K3 model only; the
-same-run baselines of the speed issue are not here yet).
+"""Training-throughput benchmark of the megatron K3 model, with a seed-style baseline in the same run.
 
     python tools/benchmark.py --preset k3-mini --bf16 --micro-batch-size 4 --seq-length 4096 --out R.json
     python tools/benchmark.py --smoke            # CPU: k3-tiny, a few steps (checks the harness runs)
 
-Times full training steps (forward, backward, gradient finalisation, AdamW step) with CUDA events after
-warm-up and reports the median step time, tokens/s, MFU and peak memory. Model FLOPs per token (see
+Times full training steps (forward, backward, gradient finalisation, AdamW step) after warm-up
+(synchronised wall clock around each step) and reports the median step time, tokens/s, MFU and peak memory.
+In the same process it then times the **seed-style baseline** (``--baselines seed``): the golden
+plain-PyTorch ``K3ForCausalLM`` on one device as a careful single-GPU user would run it (bf16 weights, fla
+``chunk_kda`` on CUDA, grouped-GEMM experts, chunked cross-entropy, fused AdamW; eager: torch.compile is not
+applied) on the same shapes and data, and reports ``speedup_vs_seed``. megatron-core's ``GPTModel`` baseline
+of the speed issue needs Transformer Engine's fused attention on the device and is not in this harness yet. Model FLOPs per token (see
 benchmarks/README.md): 6 x active parameters without the input embedding, plus causal attention scores of
 the MLA layers (3 x 2 x (S/2) x H x (d_qk + d_v)) and the KDA chunked recurrence
 (3 x H x (4 C d + 4 d^2) with chunk C = 64).
@@ -47,6 +51,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU smoke mode: k3-tiny, seq 128, 2+2 steps")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="also profile one extra step; write the top ops table here")
+    ap.add_argument("--baselines", default="seed", help="comma list of same-run baselines: seed, or none")
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.seq_length, args.micro_batch_size, args.warmup, args.steps = "k3-tiny", 128, 2, 2, 2
@@ -110,6 +115,17 @@ def main():
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         with open(args.profile, "w") as f:
             f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
+    k3_peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+    baselines = {}
+    if "seed" in args.baselines.split(","):
+        del opt, ddp, chunks
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            baselines["seed"] = seed_baseline(cfg, B, S, device, dtype, args.warmup, args.steps)
+        except Exception as e:  # noqa: BLE001  (report, do not lose the K3 measurement)
+            baselines["seed"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     info = model_info(cfg)
     med = statistics.median(times)
     tps = B * S / med
@@ -123,14 +139,50 @@ def main():
         "recompute": args.recompute_granularity, "build_and_init_s": build_s,
         "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+        "peak_memory_gib": k3_peak, "baselines": baselines,
     }
+    for name, b in baselines.items():
+        if "median_step_s" in b:
+            b["tokens_per_s"] = B * S / b["median_step_s"]
+            b["mfu_vs_989_tflops"] = b["tokens_per_s"] * fpt / H200_BF16_DENSE if cuda else None
+            rep[f"speedup_vs_{name}"] = b["median_step_s"] / med
     txt = json.dumps(rep, indent=1)
     print(txt)
     if args.out:
         with open(args.out, "w") as f:
             f.write(txt + "\n")
     ps.destroy_model_parallel()
+
+
+def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
+    """The golden model trained the way a careful single-GPU user would (see the module docstring)."""
+    from megatron_k3.model import K3ForCausalLM
+
+    model = K3ForCausalLM(cfg, seed=0)
+    if dtype != torch.float32:
+        model.to_compute_dtype(dtype)
+    model.to(device).train()
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(warmup + steps):
+        t = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        loss = model(t[:, :-1], t[:, 1:])["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - t1)
+    return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
+                    "fused AdamW, eager", "step_times_s": times, "median_step_s": statistics.median(times),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
 
 
 if __name__ == "__main__":
