@@ -116,6 +116,10 @@ def main():
         with open(args.profile, "w") as f:
             f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
     k3_peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+    if args.out:  # the K3 measurement survives a baseline that runs out of time or memory
+        with open(args.out, "w") as f:
+            json.dump({"partial": True, "step_times_s": times, "median_step_s": statistics.median(times),
+                       "tokens_per_s": B * S / statistics.median(times), "peak_memory_gib": k3_peak}, f)
     baselines = {}
     if "seed" in args.baselines.split(","):
         del opt, ddp, chunks
