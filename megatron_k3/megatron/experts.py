@@ -20,15 +20,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-
-def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``out[rows of group e] = x[rows of group e] @ w_t[e]`` with group ends ``offs``: ``torch._grouped_mm``
-    on CUDA; on the CPU (whose ``_grouped_mm`` has no backward in torch 2.14) the same product by a loop."""
-    if x.is_cuda:
-        return torch._grouped_mm(x, w_t, offs=offs)
-    ends = offs.tolist()
-    starts = [0] + ends[:-1]
-    return torch.cat([x[a:b] @ w_t[e] for e, (a, b) in enumerate(zip(starts, ends))], dim=0)
+from ..model.moe import grouped_mm
 
 
 def grouped_ok(x: torch.Tensor, widths) -> bool:

@@ -39,7 +39,7 @@ from ..model.k3 import K3DecoderLayer
 from ..model.mla import GatedMLA
 from ..model.moe import MLP
 from ..model.common import Linear, RMSNorm
-from ..model.situ import glu_activation, silu_glu, situ_glu
+from ..model.situ import glu_activation_stream, silu_glu, situ_glu_stream
 from .comm import ParallelCtx, cp_head_slice, cp_heads_to_seq, cp_seq_to_heads, tp_enter, tp_exit
 
 
@@ -154,14 +154,15 @@ class ParallelMLP(MLP):
     def forward(self, x):
         x = tp_enter(x, self.ctx)
         c = self.cfg
-        h = recomputed(glu_activation, self.gate_proj(x), self.up_proj(x), c.hidden_act, c.activation_situ_beta,
-                       c.activation_situ_linear_beta, enabled=self.recompute)
+        h = recomputed(glu_activation_stream, self.gate_proj(x), self.up_proj(x), c.hidden_act,
+                       c.activation_situ_beta, c.activation_situ_linear_beta, enabled=self.recompute)
         return tp_exit(self.down_proj(h), self.ctx)
 
 
 # ---------------------------------------------------------------------------------------------------------
 class GLUActivation(nn.Module):
-    """The expert activation on megatron's fc1 output [.., 2F] = [gate; up] (gate half first)."""
+    """The expert activation on megatron's fc1 output [.., 2F] = [gate; up] (gate half first); SiTU-GLU
+    through the streaming op (``situ_glu_stream``: saves only the bf16 input)."""
 
     def __init__(self, *, config=None, hidden_act: str = "situ", beta: float = 4.0, linear_beta: float = 25.0,
                  recompute: bool = False):
@@ -170,7 +171,7 @@ class GLUActivation(nn.Module):
 
     def _act(self, x):
         if self.hidden_act == "situ":
-            return situ_glu(x, self.beta, self.linear_beta)
+            return situ_glu_stream(x, self.beta, self.linear_beta)
         return silu_glu(x)
 
     def forward(self, x):
@@ -213,8 +214,10 @@ class K3Router(TopKRouter):
 
 def _build_experts(num_local_experts, config, *, pg_collection=None, name=None, expert_config=None,
                    submodules=None):
-    return SequentialMLP(num_local_experts, expert_config, submodules=submodules, pg_collection=pg_collection,
-                         name=name)
+    from .experts import GroupedExperts
+
+    return GroupedExperts(num_local_experts, expert_config, submodules=submodules, pg_collection=pg_collection,
+                          name=name)
 
 
 class ParallelLatentMoE(MoELayer):

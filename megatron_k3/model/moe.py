@@ -16,7 +16,9 @@ state, not a parameter: the optimizer never sees it; the balancing update writes
 latent width (Kimi Linear) the experts act on x directly and there is no latent norm.
 
 Each expert/MLP is ``down(act(gate(x), up(x)))`` with ``act`` SiTU-GLU (K3) or SiLU-GLU (Kimi Linear).
-The reference dispatch here loops over experts (exact, simple); the megatron path uses grouped GEMMs.
+The reference dispatch loops over experts (exact, simple). The fast path (``grouped``; default on CUDA)
+sorts the (token, slot) pairs by expert and runs every expert as one grouped GEMM per projection
+(``grouped_mm``: ``torch._grouped_mm`` on CUDA, no host sync), as the megatron path does.
 """
 from __future__ import annotations
 
@@ -24,7 +26,17 @@ import torch
 from torch import nn
 
 from .common import Linear, RMSNorm, acc_dtype, normal_, scaled_init_std
-from .situ import glu_activation
+from .situ import glu_activation_stream
+
+
+def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[rows of group e] = x[rows of group e] @ w_t[e]`` with group ends ``offs`` (int32): one
+    ``torch._grouped_mm`` on CUDA; on the CPU (whose ``_grouped_mm`` has no backward in torch 2.14) a loop."""
+    if x.is_cuda:
+        return torch._grouped_mm(x, w_t, offs=offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    return torch.cat([x[a:b] @ w_t[e] for e, (a, b) in enumerate(zip(starts, ends))], dim=0)
 
 
 class MLP(nn.Module):
@@ -44,7 +56,8 @@ class MLP(nn.Module):
     def forward(self, x):
         c = self.cfg
         gate, up, down = (getattr(self, n) for n in self.names)
-        h = glu_activation(gate(x), up(x), c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+        h = glu_activation_stream(gate(x), up(x), c.hidden_act, c.activation_situ_beta,
+                                  c.activation_situ_linear_beta)
         return down(h)
 
 
@@ -100,6 +113,26 @@ class LatentMoE(nn.Module):
         if cfg.num_shared_experts > 0:
             self.shared_experts = MLP(cfg, D, cfg.num_shared_experts * cfg.moe_intermediate_size)
         self.last_routing = None  # (idx [N, k]) of the latest forward, for balancing and metrics
+        self.grouped = None  # None: grouped GEMMs on CUDA, the loop elsewhere
+
+    def _routed_grouped(self, z, w, idx):
+        """sum_i w_i E_i(z) for all tokens with two grouped GEMMs over the expert-sorted (token, slot) pairs."""
+        N, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // k
+        offs = torch.bincount(flat, minlength=len(self.experts)).cumsum(0).to(torch.int32)
+        ex = self.experts
+        w13 = torch.cat([torch.stack([e.w1.weight for e in ex]), torch.stack([e.w3.weight for e in ex])], dim=1)
+        h = grouped_mm(z[tok], w13.to(z.dtype).transpose(1, 2), offs)  # [N k, 2F]
+        c = self.cfg
+        F_ = h.shape[-1] // 2
+        a = glu_activation_stream(h[:, :F_], h[:, F_:], c.hidden_act, c.activation_situ_beta,
+                                  c.activation_situ_linear_beta)
+        out = grouped_mm(a, torch.stack([e.w2.weight for e in ex]).to(z.dtype).transpose(1, 2), offs)
+        ct = acc_dtype(z)
+        out = out.to(ct) * w.reshape(-1)[order].unsqueeze(-1).to(ct)
+        return torch.zeros(z.shape, dtype=ct, device=z.device).index_add(0, tok, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -107,11 +140,14 @@ class LatentMoE(nn.Module):
         w, idx, _ = self.gate(flat)
         self.last_routing = idx.detach()
         z = self.routed_expert_down_proj(flat) if self.latent else flat
-        u = torch.zeros(z.shape, dtype=acc_dtype(z), device=z.device)
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.nonzero(idx == e, as_tuple=True)  # an idle expert still runs (on 0 rows)
-            out = expert(z[tok]).to(u.dtype) * w[tok, slot].unsqueeze(-1).to(u.dtype)
-            u = u.index_add(0, tok, out)
+        if self.grouped if self.grouped is not None else z.is_cuda:
+            u = self._routed_grouped(z, w, idx)
+        else:
+            u = torch.zeros(z.shape, dtype=acc_dtype(z), device=z.device)
+            for e, expert in enumerate(self.experts):
+                tok, slot = torch.nonzero(idx == e, as_tuple=True)  # an idle expert still runs (on 0 rows)
+                out = expert(z[tok]).to(u.dtype) * w[tok, slot].unsqueeze(-1).to(u.dtype)
+                u = u.index_add(0, tok, out)
         u = u.to(x.dtype)
         if self.latent:
             if self.cfg.latent_moe_use_norm:
