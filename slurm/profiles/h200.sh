@@ -1,0 +1,22 @@
+# Machine profile: 8 x NVIDIA H200 (141 GB HBM3e) per node: the GPU of the committed k3-mini benchmark.
+# Sourced by slurm/pretrain_k3.sh. Layouts computed and checked with tools/plan_layout.py (bf16, AdamW,
+# distributed optimizer, seq 4096, streaming SiTU, grouped experts; 143,771 MiB per GPU (nvidia-smi on
+# the lent H200) less a 10% margin = 126.4 GiB).
+K3_GPUS_PER_NODE=8
+K3_GPU_MEM_GIB=140
+K3_DEFAULT_PRESET=k3-mini
+K3_DEFAULT_SAVE_INTERVAL=1000
+K3_DEFAULT_CKPT_WRITER=odirect
+K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # Hopper: blockwise, once the trainer has --fp8-recipe
+K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
+
+# k3-mini, 1 node: TP1 PP1 EP8 DP8, micro-batch 4: peak 68.7 GiB (the 1-GPU benchmark setting: no
+# distributed optimizer, reference SiTU, SequentialMLP experts: planned 103.8 GiB, measured 104.8 GiB)
+# k3-full: not planned for H200 (see tools/plan_layout.py --preset k3-full --gpu h200 --nodes N)
+k3_layout() {  # $1 preset, $2 nodes
+  case $1 in
+    k3-mini) echo "--expert-model-parallel-size 8 --use-distributed-optimizer --micro-batch-size 4" ;;
+    *) echo "" ;;
+  esac
+}
+# Network: see h100.sh
