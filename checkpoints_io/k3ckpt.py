@@ -179,6 +179,13 @@ def optimizer_param_states(opt, params) -> tuple[dict, int]:
     out, steps = {}, 0
     want = set(params)
     for o in _optimizers(opt):
+        if hasattr(o, "param_states") and hasattr(o, "load_param_states"):  # megatron_k3.offload host stream
+            st = o.param_states()
+            for p, n in o._names().items():
+                if n in st["params"]:
+                    out[p] = {k: v.to(p.device) for k, v in st["params"][n].items()}
+            steps = max(steps, int(st["step"]))
+            continue
         if isinstance(o, MuonAdamW):
             for group in o.param_groups:
                 for p in group["params"]:
@@ -245,6 +252,15 @@ def load_optimizer_param_states(opt, states: dict, steps: int):
     from megatron_k3.optim import MuonAdamW
 
     for o in _optimizers(opt):
+        if hasattr(o, "param_states") and hasattr(o, "load_param_states"):  # host stream: full tensors per name
+            params = {}
+            for p, n in o._names().items():
+                d = states.get(p)
+                if d is None:
+                    raise CheckpointError(f"the checkpoint has no optimizer state for parameter {n}")
+                params[n] = {k: v.cpu() for k, v in d.items()}
+            o.load_param_states({"step": steps, "params": params})
+            continue
         if isinstance(o, MuonAdamW):
             for group in o.param_groups:
                 for p in group["params"]:
@@ -498,6 +514,9 @@ def _opt_steps(opt) -> int:
 
     steps = 0
     for o in _optimizers(opt):
+        if hasattr(o, "step_count"):
+            steps = max(steps, int(o.step_count))
+            continue
         inner = o if isinstance(o, MuonAdamW) else o.optimizer
         for st in inner.state.values():
             if "step" in st:

@@ -55,6 +55,10 @@ def build_parser():
     a("--lr-wsd-decay-fraction", type=float, default=0.2, help="WSD: fraction of the steps spent decaying")
     a("--optimizer", choices=["adam", "muon"], default="adam",
       help="adam: megatron's AdamW (optionally distributed); muon: per-head Muon + AdamW (megatron_k3/optim.py)")
+    a("--optimizer-offload", choices=["none", "host-stream"], default="none",
+      help="host-stream: AdamW state (fp32 master + moments) in pinned host memory, gradients streamed in "
+           "chunks, update on the CPU (megatron_k3/offload.py); with or without the distributed optimizer")
+    a("--offload-moments-dtype", choices=["bf16", "fp32"], default="bf16", help="host-stream moments")
     a("--weight-decay", type=float, default=0.1)
     a("--adam-beta1", type=float, default=0.9)
     a("--adam-beta2", type=float, default=0.95)
@@ -226,6 +230,8 @@ def main(argv=None):
         raise UsageError(f"--save {args.save} exists and is not a directory")
     if args.load and not os.path.exists(args.load) and os.path.abspath(args.load) != os.path.abspath(args.save or ""):
         raise UsageError(f"--load {args.load}: no such directory (only --load equal to --save may not exist yet)")
+    if args.optimizer == "muon" and args.optimizer_offload != "none":
+        raise UsageError("--optimizer-offload host-stream streams AdamW only; use --optimizer adam")
     if args.optimizer == "muon" and args.use_distributed_optimizer:
         raise UsageError("--optimizer muon runs without --use-distributed-optimizer (megatron's shards Adam state only)")
     warm, lr_at = lr_schedule(args)
@@ -387,6 +393,14 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
 
         opt = build_muon(chunks, lr=args.lr, weight_decay=args.weight_decay, adam_eps=args.adam_eps,
                          beta1=args.adam_beta1, beta2=args.adam_beta2)
+    elif args.optimizer_offload == "host-stream":
+        from .offload import build_host_stream_optimizer
+
+        opt = build_host_stream_optimizer(ddp, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                                          use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
+                                          adam_eps=args.adam_eps, beta1=args.adam_beta1, beta2=args.adam_beta2,
+                                          moments_dtype=(torch.bfloat16 if args.offload_moments_dtype == "bf16"
+                                                         else torch.float32))
     else:
         opt = build_optimizer(ddp, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
                               use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
