@@ -101,3 +101,21 @@ def test_grouped_expert_path_equals_the_loop():
     yb.square().sum().backward()
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(pa.grad, pb.grad, rtol=1e-10, atol=1e-12), n
+
+
+def test_grouped_linear_gradients_and_saved_bytes():
+    """grouped_linear == per-group matmuls (values, input and weight gradients, empty groups included) and
+    keeps only its input and the weights themselves for backward (no stacked copy)."""
+    from megatron_k3.model.moe import grouped_linear
+
+    torch.manual_seed(0)
+    ws = [torch.randn(12, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    x = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([3, 3, 7, 9], dtype=torch.int32)  # group 1 empty
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = grouped_linear(x, ws, offs)
+    assert sum(t.data_ptr() not in {w.data_ptr() for w in ws} | {x.data_ptr(), offs.data_ptr()} for t in saved) == 0
+    ref = torch.cat([x[0:3] @ ws[0].T, x[3:3] @ ws[1].T, x[3:7] @ ws[2].T, x[7:9] @ ws[3].T])
+    assert torch.allclose(y, ref, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, *w: grouped_linear(x, list(w), offs), (x, *ws))

@@ -139,9 +139,41 @@ def check_megatron_model(cfg, report):
     ps.destroy_model_parallel()
 
 
+def check_grouped_experts(report):
+    """grouped_linear on CUDA (torch._grouped_mm forward, input and weight gradients) vs per-expert matmuls
+    in fp64 on the CPU, at a k3-mini expert shape with uneven and empty groups."""
+    from megatron_k3.model.moe import grouped_linear
+
+    g = torch.Generator().manual_seed(0)
+    E, L, F = 40, 512, 512
+    counts = torch.randint(0, 800, (E,), generator=g)
+    counts[3] = 0
+    T = int(counts.sum())
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(T, L, generator=g, dtype=torch.float64)
+    ws = [torch.randn(2 * F, L, generator=g, dtype=torch.float64) * 0.02 for _ in range(E)]
+    gy = torch.randn(T, 2 * F, generator=g, dtype=torch.float64)
+    xs = [x.clone().requires_grad_() for _ in range(1)][0]
+    wr = [w.clone().requires_grad_() for w in ws]
+    ends = offs.tolist()
+    ref = torch.cat([xs[a:b] @ wr[e].T for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+    ref.backward(gy)
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        xc = x.to("cuda", dt).requires_grad_()
+        wc = [w.to("cuda", dt).requires_grad_() for w in ws]
+        y = grouped_linear(xc, wc, offs.cuda())
+        y.backward(gy.to("cuda", dt))
+        out[str(dt).replace("torch.", "")] = {
+            "out_rel": rel(y.double().cpu(), ref.detach()), "dx_rel": rel(xc.grad.double().cpu(), xs.grad),
+            "dw_rel": max(rel(a.grad.double().cpu(), b.grad) for a, b in zip(wc, wr))}
+    report["grouped_linear_vs_fp64_loop"] = {"shape": f"T={T}, E={E}, in={L}, out={2 * F}, one empty group", **out}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", choices=["all", "grouped"], default="all")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_check.py needs a CUDA GPU")
@@ -156,8 +188,13 @@ def main():
         report["fla"] = fla.__version__
     except Exception as e:  # noqa: BLE001
         report["fla"] = f"unavailable: {e}"
-    check_kda_kernel(cfg, report)
-    check_megatron_model(cfg, report)
+    if args.only == "grouped":
+        report["command"] = "python3 tools/gpu_check.py --only grouped"
+        check_grouped_experts(report)
+    else:
+        check_kda_kernel(cfg, report)
+        check_megatron_model(cfg, report)
+        check_grouped_experts(report)
     txt = json.dumps(report, indent=1)
     print(txt)
     if args.out:

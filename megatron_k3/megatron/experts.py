@@ -10,9 +10,10 @@ For the tokens already permuted by the dispatcher into expert order, with ``n_e`
 
 ``torch._grouped_mm`` runs the E GEMMs as one kernel (CUTLASS on Hopper) and takes the group boundaries
 from a device tensor, so neither a Python loop of 3 x E GEMMs nor ``tokens_per_expert.tolist()`` (a
-host sync) is needed. The per-expert weights are stacked once per forward (a copy of the local expert
-weights; autograd splits the gradient back to each expert's parameter, so DDP, the optimizers, the
-checkpoint adapter and Muon's per-matrix view are unchanged). Falls back to the loop when the grouped
+host sync) is needed. The per-expert weights are stacked inside the op's forward and again in its
+backward (``megatron_k3.model.moe.grouped_linear``), so no stacked copy is kept for backward; each
+expert's parameter receives its own gradient, so DDP, the optimizers, the checkpoint adapter and Muon's
+per-matrix view are unchanged. Falls back to the loop when the grouped
 kernel cannot be used (dtype other than fp32/bf16/fp16, or a row stride that is not a multiple of 16 bytes).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from ..model.moe import grouped_mm
+from ..model.moe import grouped_linear
 
 
 def grouped_ok(x: torch.Tensor, widths) -> bool:
@@ -44,9 +45,7 @@ class GroupedExperts(SequentialMLP):
         if not torch.is_tensor(tokens_per_expert):
             tokens_per_expert = torch.tensor(tokens_per_expert)
         offs = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
-        w1 = torch.stack(fc1).to(x.dtype)  # [E, 2F, L]
-        w2 = torch.stack(fc2).to(x.dtype)  # [E, L, F]
-        h = grouped_mm(x, w1.transpose(1, 2), offs)
+        h = grouped_linear(x, fc1, offs)  # [T, 2F]
         h = experts[0].activation_func(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_mm(h, w2.transpose(1, 2), offs), None
+        return grouped_linear(h, fc2, offs), None

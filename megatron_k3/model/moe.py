@@ -39,6 +39,37 @@ def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.
     return torch.cat([x[a:b] @ w_t[e] for e, (a, b) in enumerate(zip(starts, ends))], dim=0)
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of group e] = x[rows of group e] @ W_e^T for E weights [out, in]. The weights are stacked
+    inside forward and again in backward, so the stacked copy is never kept for backward (saves E x out x in
+    elements per call, per micro-batch in flight). dW_e = dy_e^T x_e is one grouped GEMM over the token axis."""
+
+    @staticmethod
+    def forward(ctx, x, offs, *weights):
+        w = torch.stack([t.to(x.dtype) for t in weights])
+        ctx.save_for_backward(x, offs, *weights)
+        return grouped_mm(x, w.transpose(1, 2), offs)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, offs, *weights = ctx.saved_tensors
+        gy = gy.contiguous()
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = grouped_mm(gy, torch.stack([t.to(x.dtype) for t in weights]), offs)
+        if x.is_cuda:
+            gw = torch._grouped_mm(gy.t(), x, offs=offs).unbind(0)
+        else:
+            ends = offs.tolist()
+            gw = [gy[a:b].t() @ x[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        return (gx, None, *[g.to(t.dtype) for g, t in zip(gw, weights)])
+
+
+def grouped_linear(x: torch.Tensor, weights, offs: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, in] sorted by group, ``weights`` E tensors [out, in], ``offs`` int32 group ends -> [T, out]."""
+    return _GroupedLinear.apply(x, offs, *weights)
+
+
 class MLP(nn.Module):
     """Dense/shared FFN with HF names gate_proj, up_proj, down_proj."""
 
@@ -123,13 +154,12 @@ class LatentMoE(nn.Module):
         tok = order // k
         offs = torch.bincount(flat, minlength=len(self.experts)).cumsum(0).to(torch.int32)
         ex = self.experts
-        w13 = torch.cat([torch.stack([e.w1.weight for e in ex]), torch.stack([e.w3.weight for e in ex])], dim=1)
-        h = grouped_mm(z[tok], w13.to(z.dtype).transpose(1, 2), offs)  # [N k, 2F]
+        zs = z[tok]
         c = self.cfg
-        F_ = h.shape[-1] // 2
-        a = glu_activation_stream(h[:, :F_], h[:, F_:], c.hidden_act, c.activation_situ_beta,
-                                  c.activation_situ_linear_beta)
-        out = grouped_mm(a, torch.stack([e.w2.weight for e in ex]).to(z.dtype).transpose(1, 2), offs)
+        a = glu_activation_stream(grouped_linear(zs, [e.w1.weight for e in ex], offs),
+                                  grouped_linear(zs, [e.w3.weight for e in ex], offs), c.hidden_act,
+                                  c.activation_situ_beta, c.activation_situ_linear_beta)
+        out = grouped_linear(a, [e.w2.weight for e in ex], offs)
         ct = acc_dtype(z)
         out = out.to(ct) * w.reshape(-1)[order].unsqueeze(-1).to(ct)
         return torch.zeros(z.shape, dtype=ct, device=z.device).index_add(0, tok, out)
