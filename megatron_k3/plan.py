@@ -47,8 +47,8 @@ state makes its own contiguous copy, which its matmul saves; with B = 1 the view
               probability product), fc2 input, probability; u = routing imbalance (1: balanced; EP keeps
               N k rows per rank on average)
           latent RMSNorm Tm (8L + 4), up projection input Tm a L; shared experts as an FFN of width
-          n_shared F / TP on N tokens; grouped experts (megatron_k3/megatron/experts.py) also save the local
-          experts' weights, stacked per forward: 3 a F L E / EP per layer and micro-batch
+          n_shared F / TP on N tokens; the grouped experts (megatron_k3/megatron/experts.py) save the
+          same (they re-stack the weights in backward instead of keeping a stacked copy)
     embedding N 9 (ids, mask); head: final mix + norm, CE input a D N, targets 8 N; pipeline stages keep
           their received and sent states (blocks + 1) a D Tn per micro-batch in flight
 
@@ -111,8 +111,8 @@ def default_situ() -> str:
 
 
 def default_experts() -> str:
-    """How the megatron layers run the routed experts: "grouped" (two grouped GEMMs over weights stacked per
-    forward, megatron_k3/megatron/experts.py) or "sequential" (megatron's SequentialMLP loop)."""
+    """How the megatron layers run the routed experts: "grouped" (two grouped GEMMs,
+    megatron_k3/megatron/experts.py) or "sequential" (megatron's SequentialMLP loop)."""
     return "grouped" if "GroupedExperts(" in _layers_source() else "sequential"
 
 
@@ -320,9 +320,6 @@ def moe_bytes(cfg: K3Config, g: Geometry) -> dict:
     out = {"moe_input": a * D * N,
            "moe_router": Tm * (4 * E + 8 * k + 4 + 4 * k + 8 * E + 8 * k),
            "moe_experts": Tm * k * g.imbalance * (a * L + situ_bytes(g, F) + a * F + a * F + 4)}
-    grouped_ok = all((w * a) % 16 == 0 for w in (L, 2 * F, F))  # else GroupedExperts falls back to the loop
-    if g.experts == "grouped" and grouped_ok:  # the local experts' fc1/fc2 weights, stacked once per forward
-        out["moe_weight_stacks"] = a * 3 * F * L * (E // g.ep)
     if cfg.routed_expert_hidden_size is not None:
         out["moe_latent"] = (rms(Tm, L) if cfg.latent_moe_use_norm else 0.0) + Tm * a * L
     if cfg.num_shared_experts > 0:

@@ -13,11 +13,10 @@ K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # later: mxfp8
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
 # Layout flags for (preset, nodes), from tools/plan_layout.py --gpu b300:
-#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 8: peak 128.2 GiB (reference SiTU op: 167 GiB)
+#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 8: peak 128.0 GiB (reference SiTU op: 167 GiB)
 #   k3-full, 64 nodes (512 GPUs): TP8 PP4 EP128 DP16 +SP, no recompute, layers per stage 24,24,24,21:
-#                     peak 231.0 GiB (stage 0: 4 micro-batches in flight, each holding 9.9 GiB of expert
-#                     weights the grouped experts stack per forward; 191.4 GiB with SequentialMLP).
-#                     32 nodes need full recompute (TP8 PP2 EP128: 223.7 GiB).
+#                     peak 191.4 GiB (stage 0: 4 micro-batches in flight).
+#                     32 nodes (TP8 PP2 EP128) do not fit without recompute (309 GiB).
 #                     NOTE: the uneven pipeline split has no trainer flag yet.
 k3_layout() {  # $1 preset, $2 nodes
   case $1 in

@@ -13,10 +13,10 @@ K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # later: blockwise
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
 # Layout flags for (preset, nodes), from tools/plan_layout.py --gpu h100:
-#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 2: peak 38.9 GiB (micro-batch 4: 68.7 GiB, too close to
+#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 2: peak 38.7 GiB (micro-batch 4: 68.5 GiB, too close to
 #                     71.7, and 87.9 GiB with the reference SiTU op)
 #   k3-full, 256 nodes (2048 GPUs): TP8 PP4 EP128 DP64 +SP, full recompute, layers per stage 24,24,24,21:
-#                     peak 66.2 GiB (stage 1); no layout fits without full recompute at this size.
+#                     peak 65.8 GiB (stage 1); no layout fits without full recompute at this size.
 #                     NOTE: the uneven pipeline split has no trainer flag yet.
 k3_layout() {  # $1 preset, $2 nodes
   case $1 in

@@ -10,7 +10,7 @@ K3_DEFAULT_CKPT_WRITER=odirect
 K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # Hopper: blockwise, once the trainer has --fp8-recipe
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
-# k3-mini, 1 node: TP1 PP1 EP8 DP8, micro-batch 4: peak 68.7 GiB (the 1-GPU benchmark setting: no
+# k3-mini, 1 node: TP1 PP1 EP8 DP8, micro-batch 4: peak 68.5 GiB (the 1-GPU benchmark setting: no
 # distributed optimizer, reference SiTU, SequentialMLP experts: planned 103.8 GiB, measured 104.8 GiB)
 # k3-full: not planned for H200 (see tools/plan_layout.py --preset k3-full --gpu h200 --nodes N)
 k3_layout() {  # $1 preset, $2 nodes
