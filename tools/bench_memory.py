@@ -325,7 +325,8 @@ def bench_offload(args, cuda):
                    "(synthetic model: bf16 Linear weights in megatron DDP with an fp32 grad buffer)", "modes": {}}
     for i, mode in enumerate(modes):
         path = os.path.join(args.tmp, f"offload_{mode}.json")
-        env = dict(os.environ, PYTHONPATH=ROOT, MASTER_PORT=str(_free_port()))
+        pp = os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        env = dict(os.environ, PYTHONPATH=pp, MASTER_PORT=str(_free_port()))  # keep site dirs given by PYTHONPATH
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_offload-worker", mode,
                             "--offload-params", str(args.offload_params), "--offload-steps", str(args.offload_steps),
                             "--chunk-bytes", str(args.chunk_bytes), "--out", path],
