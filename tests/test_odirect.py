@@ -69,4 +69,7 @@ def test_page_cache_growth_1gib(root, tmp_path):
         pytest.skip("no O_DIRECT on this file system")
     assert rep["odirect_files_read_by_stock_reader_bit_exact"]
     assert rep["writers"]["odirect"]["page_cache_growth_bytes"] < 64 << 20
-    assert rep["writers"]["buffered"]["page_cache_growth_bytes"] > 0.8 * (1 << 30)
+    assert rep["writers"]["odirect"]["checkpoint_pages_in_cache_bytes"] < 64 << 20
+    # buffered: its own files are in the page cache (mincore; /proc/meminfo's Cached also moves with other
+    # processes' cache traffic, which made a Cached-based check flaky on a busy machine)
+    assert rep["writers"]["buffered"]["checkpoint_pages_in_cache_bytes"] > 0.8 * (1 << 30)
