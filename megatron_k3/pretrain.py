@@ -39,6 +39,10 @@ def build_parser():
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--virtual-pipeline-model-parallel-size", type=int, default=1)
+    a("--decoder-first-pipeline-num-layers", type=int, default=None,
+      help="layers of the first pipeline stage (uneven split; the middle stages share the rest evenly)")
+    a("--decoder-last-pipeline-num-layers", type=int, default=None,
+      help="layers of the last pipeline stage (e.g. k3-full at PP4: 21, giving 24,24,24,21 in whole AttnRes blocks)")
     a("--expert-model-parallel-size", type=int, default=1)
     a("--context-parallel-size", type=int, default=1)
     a("--sequence-parallel", action="store_true")
@@ -178,12 +182,29 @@ def lr_schedule(args):
     return warm, lr
 
 
-def _layout_from_args(args, world):
+def _layout_from_args(args, world, num_layers):
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if world % (tp * pp * cp):
         raise ConfigError(f"world size {world} is not divisible by TP*PP*CP = {tp * pp * cp}")
     return ParallelLayout(tp=tp, pp=pp, cp=cp, ep=args.expert_model_parallel_size, dp=world // (tp * pp * cp),
-                          vpp=args.virtual_pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel)
+                          vpp=args.virtual_pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
+                          layers_per_stage=_uneven_split(args, num_layers))
+
+
+def _uneven_split(args, num_layers):
+    """megatron's --decoder-first/last-pipeline-num-layers -> layers per stage (None: even split)."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return None
+    pp = args.pipeline_model_parallel_size
+    if pp < 2 or args.virtual_pipeline_model_parallel_size > 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need PP >= 2 and no virtual pipeline")
+    rest, middle = num_layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
+    if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest % middle or rest == 0)):
+        raise ConfigError(f"{num_layers} layers cannot be split as first={first}, last={last} over PP{pp} "
+                          f"(the {max(middle, 0)} middle stage(s) must share the remaining {rest} layers evenly)")
+    mid = [rest // middle] * middle if middle else []
+    return ([first] if first is not None else []) + mid + ([last] if last is not None else [])
 
 
 def default_data(cfg):
@@ -219,7 +240,7 @@ def main(argv=None):
     discover()  # torchrun / srun / mpiexec / single process
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    layout = _layout_from_args(args, world)
+    layout = _layout_from_args(args, world, cfg.num_hidden_layers)
     layout.validate(cfg, seq_length=cfg.seq_length, micro_batch_size=args.micro_batch_size,
                     global_batch_size=args.global_batch_size, world_size=world)
     if args.train_iters < 1:

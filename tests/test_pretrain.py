@@ -97,6 +97,24 @@ def test_two_ranks_tp2_sp(root, tmp_path, main_run):
     assert recs[0]["lm_loss"] == pytest.approx(first["lm_loss"], rel=1e-5)
 
 
+def test_uneven_pipeline_split(root, tmp_path, main_run):
+    """--decoder-last-pipeline-num-layers 2 at PP2 (stages of 6 and 2 layers, whole AttnRes blocks) trains the
+    same two first steps as the 1-rank main run; a split inside a block is refused before launch."""
+    r = _pretrain(root, "--config", "configs/k3-tiny-cpu.yaml", "--pipeline-model-parallel-size", "2",
+                  "--decoder-last-pipeline-num-layers", "2", "--exit-interval", "2", "--run-dir", str(tmp_path),
+                  nproc=2, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    run_dir, _ = main_run
+    ref = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][:2]
+    assert [r["step"] for r in recs] == [1, 2]
+    for a, b in zip(recs, ref):
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-5)
+    bad = _pretrain(root, "--config", "configs/k3-tiny-cpu.yaml", "--pipeline-model-parallel-size", "2",
+                    "--decoder-last-pipeline-num-layers", "3", "--run-dir", str(tmp_path / "bad"), nproc=2)
+    assert bad.returncode != 0 and "split an Attention-Residual block" in bad.stderr
+
+
 def test_muon_trainer_runs_and_learns(root, tmp_path, main_run):
     r = _pretrain(root, "--config", "configs/k3-tiny-cpu.yaml", "--optimizer", "muon", "--lr", "2e-2",
                   "--train-iters", "30", "--run-dir", str(tmp_path))

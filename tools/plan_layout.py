@@ -79,6 +79,13 @@ def trainer_flags(p: dict, layout: ParallelLayout) -> str:
          f"--expert-model-parallel-size {layout.ep}", f"--context-parallel-size {layout.cp}"]
     if layout.vpp > 1:
         f.append(f"--virtual-pipeline-model-parallel-size {layout.vpp}")
+    c = layout.layers_per_stage
+    if c is not None and layout.vpp == 1 and len(set(c[1:-1])) <= 1:  # megatron's first/last-stage flags
+        mid = c[1] if len(c) > 2 else None
+        if mid is None or c[0] != mid:
+            f.append(f"--decoder-first-pipeline-num-layers {c[0]}")
+        if mid is None or c[-1] != mid:
+            f.append(f"--decoder-last-pipeline-num-layers {c[-1]}")
     if layout.sequence_parallel and layout.tp > 1:
         f.append("--sequence-parallel")
     if p["distributed_optimizer"]:
@@ -133,8 +140,7 @@ def report(p: dict) -> str:
     lay = layout_of(p)
     lines.append(f"  trainer flags: {trainer_flags(p, lay)}")
     if lay.layers_per_stage is not None:
-        lines.append(f"  note: uneven pipeline split {lay.layers_per_stage} (whole AttnRes blocks); the trainer "
-                     "has no flag for it yet (ParallelLayout.layers_per_stage)")
+        lines.append(f"  note: uneven pipeline split {lay.layers_per_stage} (whole AttnRes blocks)")
     return "\n".join(lines)
 
 

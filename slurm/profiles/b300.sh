@@ -17,13 +17,12 @@ K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 #   k3-full, 64 nodes (512 GPUs): TP8 PP4 EP128 DP16 +SP, no recompute, layers per stage 24,24,24,21:
 #                     peak 191.4 GiB (stage 0: 4 micro-batches in flight).
 #                     32 nodes (TP8 PP2 EP128) do not fit without recompute (309 GiB).
-#                     NOTE: the uneven pipeline split has no trainer flag yet.
 k3_layout() {  # $1 preset, $2 nodes
   case $1 in
     k3-mini) echo "--expert-model-parallel-size 8 --use-distributed-optimizer --micro-batch-size 8" ;;
     k3-full)
       [[ $2 == 64 ]] || echo "warning: k3-full layout planned for 64 B300 nodes, not $2: run tools/plan_layout.py --preset k3-full --gpu b300 --nodes $2 and set K3_LAYOUT" >&2
-      echo "--tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 4 --expert-model-parallel-size 128 --use-distributed-optimizer --micro-batch-size 1" ;;
+      echo "--tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 21 --expert-model-parallel-size 128 --use-distributed-optimizer --micro-batch-size 1" ;;
     *) echo "" ;;
   esac
 }

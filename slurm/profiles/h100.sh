@@ -17,13 +17,12 @@ K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 #                     71.7, and 87.9 GiB with the reference SiTU op)
 #   k3-full, 256 nodes (2048 GPUs): TP8 PP4 EP128 DP64 +SP, full recompute, layers per stage 24,24,24,21:
 #                     peak 65.8 GiB (stage 1); no layout fits without full recompute at this size.
-#                     NOTE: the uneven pipeline split has no trainer flag yet.
 k3_layout() {  # $1 preset, $2 nodes
   case $1 in
     k3-mini) echo "--expert-model-parallel-size 8 --use-distributed-optimizer --micro-batch-size 2" ;;
     k3-full)
       [[ $2 == 256 ]] || echo "warning: k3-full layout planned for 256 H100 nodes, not $2: run tools/plan_layout.py --preset k3-full --gpu h100 --nodes $2 and set K3_LAYOUT" >&2
-      echo "--tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 4 --expert-model-parallel-size 128 --use-distributed-optimizer --recompute-granularity full --micro-batch-size 1" ;;
+      echo "--tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 21 --expert-model-parallel-size 128 --use-distributed-optimizer --recompute-granularity full --micro-batch-size 1" ;;
     *) echo "" ;;
   esac
 }
