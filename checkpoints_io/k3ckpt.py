@@ -166,6 +166,13 @@ def _state_tensors(st: dict) -> dict:
     return {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
 
 
+def _fp32_masters(o) -> dict:
+    """{fp32 main param: model param} for megatron's Float16OptimizerWithFloat16Params (else empty)."""
+    if not hasattr(o, "float16_groups"):
+        return {}
+    return {fp: mp for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups) for mp, fp in zip(mg, fg)}
+
+
 def optimizer_param_states(opt, params) -> tuple[dict, int]:
     """``({param: {state_name: param-shaped fp32 tensor}}, steps)`` for every parameter in ``params``.
 
@@ -228,12 +235,7 @@ def optimizer_param_states(opt, params) -> tuple[dict, int]:
             dist.all_reduce(st_steps, op=dist.ReduceOp.MAX, group=o.data_parallel_group)
             steps = int(st_steps.item())
             continue
-        inner = o.optimizer
-        masters = {}
-        if hasattr(o, "float16_groups"):
-            for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups):
-                for mp, fp in zip(mg, fg):
-                    masters[fp] = mp
+        inner, masters = o.optimizer, _fp32_masters(o)
         for group in inner.param_groups:
             for q in group["params"]:
                 model_p = masters.get(q, q)
@@ -291,12 +293,7 @@ def load_optimizer_param_states(opt, states: dict, steps: int):
                 if any(k != "master" for k in d):
                     st["step"] = torch.tensor(float(steps))
             continue
-        inner = o.optimizer
-        masters = {}
-        if hasattr(o, "float16_groups"):
-            for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups):
-                for mp, fp in zip(mg, fg):
-                    masters[fp] = mp
+        inner, masters = o.optimizer, _fp32_masters(o)
         for group in inner.param_groups:
             for q in group["params"]:
                 d = states.get(masters.get(q, q))

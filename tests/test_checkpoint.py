@@ -299,11 +299,13 @@ def test_sigkill_at_random_moments_under_the_supervisor(root, tmp_path):
     assert_same_weights(tmp_path / "ref" / "w.pt", tmp_path / "run" / "w.pt")
 
 
-def test_resume_bit_exact_with_host_stream_offload(root, tmp_path):
-    """--optimizer-offload host-stream: its host-side master weights and bf16 moments are saved in parameter
-    space and restored; the resumed run equals the uninterrupted one bit for bit."""
+@pytest.mark.parametrize("opt", [["--optimizer-offload", "host-stream"], ["--bf16"]], ids=["host-stream", "bf16"])
+def test_resume_bit_exact_world1(root, tmp_path, opt):
+    """--optimizer-offload host-stream (host-side master weights and bf16 moments) and --bf16 (megatron's fp32
+    master copies; the router bias kept fp32 before the checkpoint is loaded): the resumed run equals the
+    uninterrupted one bit for bit."""
     a, b = tmp_path / "a", tmp_path / "b"
-    opt = ["--optimizer-offload", "host-stream", "--train-iters", 6, "--export-weights", "w.pt"]
+    opt = [*opt, "--train-iters", 6, "--export-weights", "w.pt"]
     run(root, *opt, "--save", a / "ckpt", "--save-interval", 3, "--run-dir", a)
     copy_upto(a / "ckpt", b / "ckpt", 3)
     run(root, *opt, "--load", b / "ckpt", "--run-dir", b)

@@ -73,12 +73,16 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
 
 
 def keep_fp32(chunks):
-    """Parameters the spec keeps in fp32 (KDA A_log/dt_bias/convs/o_norm) after a dtype cast."""
+    """Parameters the spec keeps in fp32 (KDA A_log/dt_bias/convs/o_norm) and the routers' correction bias
+    after a dtype cast. (megatron's router restores its bias to fp32 only at its first forward: a checkpoint
+    loaded before that would be rounded to bf16.)"""
     for c in chunks:
         for m in c.modules():
             for pname in getattr(m, "fp32_params", ()):
                 p = m.get_parameter(pname)
                 p.data = p.data.float()
+            if getattr(m, "expert_bias", None) is not None and m.expert_bias.dtype != torch.float32:
+                m.expert_bias.data = m.expert_bias.data.float()
 
 
 def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False):
