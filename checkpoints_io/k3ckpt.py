@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from megatron_k3.config import ConfigError
+from megatron_k3.model import hf_shapes as model_hf_shapes
 
 FORMAT = "megatron-k3/1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -174,7 +175,8 @@ def _fp32_masters(o) -> dict:
 
 
 def optimizer_param_states(opt, params) -> tuple[dict, int]:
-    """``({param: {state_name: param-shaped fp32 tensor}}, steps)`` for every parameter in ``params``.
+    """``({param: {state_name: param-shaped fp32 tensor}}, steps)`` for every parameter in ``params``; ``steps``
+    is this rank's largest per-parameter step count (ranks may differ: reduce with MAX).
 
     Knows megatron's FP32Optimizer / Float16OptimizerWithFloat16Params / DistributedOptimizer (in a
     ChainedOptimizer or alone) and ``megatron_k3.optim.MuonAdamW``. Collective for the distributed optimizer
@@ -231,9 +233,6 @@ def optimizer_param_states(opt, params) -> tuple[dict, int]:
                     for n in names:
                         out[p]["master" if n == "param" else n] = flat[off:off + p.numel()].view(p.shape).clone()
                         off += p.numel()
-            st_steps = torch.tensor([steps], dtype=torch.int64)
-            dist.all_reduce(st_steps, op=dist.ReduceOp.MAX, group=o.data_parallel_group)
-            steps = int(st_steps.item())
             continue
         inner, masters = o.optimizer, _fp32_masters(o)
         for group in inner.param_groups:
@@ -247,6 +246,18 @@ def optimizer_param_states(opt, params) -> tuple[dict, int]:
                     steps = max(steps, int(float(st["step"])))
                 out[model_p] = d
     return out, steps
+
+
+def _restore(main, st: dict, d: dict, steps: int):
+    """Write the saved tensors ``d`` into one torch-optimizer parameter ``main`` (``master``) and its state
+    ``st`` (Adam moments, with ``step``)."""
+    for k, v in d.items():
+        if k == "master":
+            main.data.copy_(v.to(main.dtype))
+        else:
+            st[k] = v.to(device=main.device, dtype=main.dtype).clone()
+    if any(k != "master" for k in d):
+        st["step"] = torch.tensor(float(steps))
 
 
 def load_optimizer_param_states(opt, states: dict, steps: int):
@@ -283,30 +294,15 @@ def load_optimizer_param_states(opt, states: dict, steps: int):
                 r = o._get_model_param_range_map(p)["param"]
                 gi, go = o.model_param_group_index_map[p]
                 main = o.optimizer.param_groups[gi]["params"][go]
-                st = o.optimizer.state[main]
-                for k, v in d.items():
-                    piece = v.reshape(-1)[r.start:r.end]
-                    if k == "master":
-                        main.data.copy_(piece.to(main.dtype))
-                    else:
-                        st[k] = piece.to(device=main.device, dtype=main.dtype).clone()
-                if any(k != "master" for k in d):
-                    st["step"] = torch.tensor(float(steps))
+                _restore(main, o.optimizer.state[main], {k: v.reshape(-1)[r.start:r.end] for k, v in d.items()},
+                         steps)
             continue
         inner, masters = o.optimizer, _fp32_masters(o)
         for group in inner.param_groups:
             for q in group["params"]:
                 d = states.get(masters.get(q, q))
-                if not d:
-                    continue
-                st = inner.state[q]
-                for k, v in d.items():
-                    if k == "master":
-                        q.data.copy_(v.to(q.dtype))
-                    else:
-                        st[k] = v.to(device=q.device, dtype=q.dtype).clone()
-                if any(k != "master" for k in d):
-                    st["step"] = torch.tensor(float(steps))
+                if d:
+                    _restore(q, inner.state[q], d, steps)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -395,17 +391,18 @@ def _set_rng_state(st):
 
 
 def _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=True, opt_state_names=None):
-    """(sharded_state_dict, [(hf, param, hidx, lidx)], opt_states) for save (``opt_state_names`` None) or load."""
+    """(sharded_state_dict, [(hf, param, hidx, lidx)], opt_states, this rank's optimizer steps) for save
+    (``opt_state_names`` None) or load."""
     pieces = model_pieces(chunks, tp_rank, hf_shapes)
     entries = []
     for hf, t, hidx, lidx in pieces:
         data = t.data[lidx]
         off, frag = _offsets(hidx, hf_shapes[hf], data.shape, hf)
         entries.append((hf, data, hf_shapes[hf], off, frag))
-    opt_states = {}
+    opt_states, steps = {}, 0
     if with_optimizer and opt is not None:
         if opt_state_names is None:  # saving: read the optimiser
-            opt_states, _ = optimizer_param_states(opt, [t for _, t, _, _ in pieces if isinstance(t, torch.nn.Parameter)])
+            opt_states, steps = optimizer_param_states(opt, [t for _, t, _, _ in pieces if isinstance(t, torch.nn.Parameter)])
         for hf, t, hidx, lidx in pieces:
             if opt_state_names is None:
                 names = sorted(opt_states.get(t, {}))
@@ -418,7 +415,7 @@ def _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=True, opt_sta
                 off, frag = _offsets(hidx, hf_shapes[hf], data.shape, hf)
                 entries.append((f"{OPT_PREFIX}{n}.{hf}", data, hf_shapes[hf], off, frag))
     replica = _owners([(e[0], e[3]) for e in entries])
-    return _sharded(entries, replica), pieces, opt_states
+    return _sharded(entries, replica), pieces, opt_states, steps
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -444,13 +441,15 @@ def save_checkpoint(root: str, step: int, chunks, opt, cfg, trainer_state: dict,
     if not _all_finite(chunks):
         raise CheckpointError(f"refusing to save step {step} to {root}: the weights contain NaN/Inf "
                               "(the previous checkpoint is kept)")
-    hf_shapes = hf_shapes or hf_shape_map(cfg)
-    sd, pieces, opt_states = _sharded_state(chunks, opt, tp_rank, hf_shapes)
+    hf_shapes = hf_shapes or model_hf_shapes(cfg)
+    sd, pieces, opt_states, steps = _sharded_state(chunks, opt, tp_rank, hf_shapes)
     state_names = {hf: sorted(opt_states[t]) for hf, t, _, _ in pieces if t in opt_states}
     names_all = [None] * dist.get_world_size()
     dist.all_gather_object(names_all, state_names)
     state_names = {k: v for d in names_all for k, v in d.items()}
-    steps = _opt_steps(opt) if opt is not None else 0
+    steps_t = torch.tensor([steps], dtype=torch.int64)
+    dist.all_reduce(steps_t, op=dist.ReduceOp.MAX)
+    steps = int(steps_t.item())
     return _write(root, step, sd, cfg, {"optimizer_states": state_names, "optimizer_steps": steps, **trainer_state},
                   writer=writer, keep_last=keep_last, rng=True)
 
@@ -501,26 +500,6 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
             _retain(root, keep_last, step)
     dist.barrier()
     return final
-
-
-def _opt_steps(opt) -> int:
-    """Optimizer steps taken (the largest per-parameter step count; all are equal in practice)."""
-    import torch.distributed as dist
-
-    from megatron_k3.optim import MuonAdamW
-
-    steps = 0
-    for o in _optimizers(opt):
-        if hasattr(o, "step_count"):
-            steps = max(steps, int(o.step_count))
-            continue
-        inner = o if isinstance(o, MuonAdamW) else o.optimizer
-        for st in inner.state.values():
-            if "step" in st:
-                steps = max(steps, int(float(st["step"])))
-    t = torch.tensor([steps], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def _write_latest(root, step):
@@ -645,10 +624,10 @@ def load_checkpoint(path, chunks, opt, cfg, *, tp_rank: int, step: int | None = 
     if errs:
         raise CheckpointError(errs[0] + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""))
     check_config(d, meta, cfg)
-    hf_shapes = hf_shapes or hf_shape_map(cfg)
+    hf_shapes = hf_shapes or model_hf_shapes(cfg)
     weights_only = bool(meta.get("weights_only"))
     use_opt = load_optim and not weights_only and opt is not None
-    sd, pieces, opt_states = _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=use_opt,
+    sd, pieces, opt_states, _ = _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=use_opt,
                                             opt_state_names=meta.get("optimizer_states", {}))
     rng_ok = load_rng and not weights_only and meta.get("world_size") == world
     if rng_ok:
@@ -668,13 +647,6 @@ def load_checkpoint(path, chunks, opt, cfg, *, tp_rank: int, step: int | None = 
         _set_rng_state(loaded["rng"])
     meta["path"] = d
     return meta
-
-
-def hf_shape_map(cfg) -> dict:
-    from megatron_k3.model import K3ForCausalLM
-
-    with torch.device("meta"):
-        return {k: v.shape for k, v in K3ForCausalLM(cfg, init=False).state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -700,7 +672,7 @@ def write_weights(out_dir, tensors, cfg, step: int = 0, tokenizer: dict | None =
     """Weights-only checkpoint (HF names -> full tensors) that the trainer's ``--load`` accepts (optimizer,
     data position and RNG start fresh). ``tensors``: dict or iterable of (name, tensor)."""
     items = dict(tensors.items() if isinstance(tensors, dict) else tensors)
-    shapes = hf_shape_map(cfg)
+    shapes = model_hf_shapes(cfg)
     missing = sorted(set(shapes) - set(items))
     extra = sorted(set(items) - set(shapes))
     if missing or extra:

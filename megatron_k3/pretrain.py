@@ -15,6 +15,7 @@ log loss / lr / grad norm / tokens/s and per-MoE-layer routing statistics to the
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -320,23 +321,21 @@ def _trainer_state(args, loader, step, tokens_seen):
             "balancing": args.moe_router_load_balancing_type}
 
 
-def _save(args, cfg, chunks, opt, loader, step, tokens_seen):
+def _save(args, cfg, chunks, opt, loader, step, tokens_seen, hf_shapes):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from checkpoints_io.k3ckpt import save_checkpoint
 
     t = time.time()
-    if getattr(args, "hf_shapes", None) is None:
-        args.hf_shapes = _shape_map(cfg)
     path = save_checkpoint(args.save, step, chunks, opt, cfg, _trainer_state(args, loader, step, tokens_seen),
                            tp_rank=ps.get_tensor_model_parallel_rank(), writer=args.ckpt_writer,
-                           keep_last=args.ckpt_keep_last, hf_shapes=args.hf_shapes)
+                           keep_last=args.ckpt_keep_last, hf_shapes=hf_shapes)
     if dist.get_rank() == 0:
         print(f"[pretrain] saved step {step} to {path} in {time.time() - t:.2f} s", flush=True)
 
 
-def _resume(args, cfg, chunks, opt, loader):
+def _resume(args, cfg, chunks, opt, loader, hf_shapes):
     """Load ``--load``'s latest checkpoint; returns (start step, consumed tokens)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -344,7 +343,7 @@ def _resume(args, cfg, chunks, opt, loader):
     from checkpoints_io.k3ckpt import CheckpointError, load_checkpoint
 
     meta = load_checkpoint(args.load, chunks, opt, cfg, tp_rank=ps.get_tensor_model_parallel_rank(),
-                           load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+                           load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, hf_shapes=hf_shapes)
     if meta is None:
         if dist.get_rank() == 0:
             print(f"[pretrain] no checkpoint in {args.load}: starting from scratch", flush=True)
@@ -369,13 +368,6 @@ def _resume(args, cfg, chunks, opt, loader):
     return int(meta["step"]), int(meta["consumed_tokens"])
 
 
-def _shape_map(cfg):
-    from .model import K3ForCausalLM
-
-    with torch.device("meta"):
-        return {k: v.shape for k, v in K3ForCausalLM(cfg, init=False).state_dict().items()}
-
-
 def train(args, cfg, layout, warm, lr_at, pad_id):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -386,7 +378,7 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
     from .megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads, init_distributed,
                                    make_forward_step, wrap_ddp)
     from .metrics import MetricsLogger, routing_stats
-    from .model import K3ForCausalLM
+    from .model import K3ForCausalLM, hf_shapes
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     device = init_distributed(layout, seed=args.seed)
@@ -439,9 +431,10 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
               f"{n_params:,} parameters on rank 0; {args.train_iters} steps x {args.global_batch_size} x "
               f"{cfg.seq_length} tokens; warmup {warm} steps ({args.lr_warmup_fraction:.0%}); data "
               f"{args.data_path} ({loader.num_windows} windows)", flush=True)
+    shapes = functools.cache(lambda: hf_shapes(cfg))  # HF name -> shape (a meta build), when first needed
     start_step, tokens_seen = 0, 0
     if args.load:
-        start_step, tokens_seen = _resume(args, cfg, chunks, opt, loader)
+        start_step, tokens_seen = _resume(args, cfg, chunks, opt, loader, shapes())
     stop = _install_signal_handler() if args.exit_signal_handler else None
     t0 = time.time()
     tokens_at_start = tokens_seen
@@ -510,7 +503,7 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
         signalled = stop is not None and _agree(stop["flag"])
         exiting = signalled or (args.exit_interval and done % args.exit_interval == 0 and done < args.train_iters)
         if args.save and (done == args.train_iters or exiting or (args.save_interval and done % args.save_interval == 0)):
-            _save(args, cfg, chunks, opt, loader, done, tokens_seen)
+            _save(args, cfg, chunks, opt, loader, done, tokens_seen, shapes())
         if exiting:
             loader.close()
             if rank == 0:
@@ -528,13 +521,12 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
 
         if not os.path.isabs(args.export_weights):  # relative to the run directory
             args.export_weights = os.path.join(args.run_dir, args.export_weights)
-        shapes = _shape_map(cfg)
-        pieces = [p for c in chunks for p in local_pieces(c, ps.get_tensor_model_parallel_rank(), _shape_map(cfg))]
+        pieces = [p for c in chunks for p in local_pieces(c, ps.get_tensor_model_parallel_rank(), shapes())]
         allp = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(pieces, allp, dst=0)
         if rank == 0:
-            full, covered = assemble([p for g in allp for p in g], shapes)
-            missing = [k for k in shapes if k not in full or not bool(covered[k].all())]
+            full, covered = assemble([p for g in allp for p in g], shapes())
+            missing = [k for k in shapes() if k not in full or not bool(covered[k].all())]
             if missing:
                 raise RuntimeError(f"export: {len(missing)} tensors not covered, e.g. {missing[0]}")
             torch.save(full, args.export_weights)

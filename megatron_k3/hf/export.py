@@ -92,10 +92,9 @@ def source_from_pt(path, cfg: K3Config, tokenizer: dict | None = None) -> Weight
 
 def golden_order(cfg: K3Config) -> list[str]:
     """The golden model's state_dict order (embedding, layer by layer, head): shards follow the model."""
-    from ..model import K3ForCausalLM
+    from ..model import hf_shapes
 
-    with torch.device("meta"):
-        return list(K3ForCausalLM(cfg, init=False).state_dict().keys())
+    return list(hf_shapes(cfg))
 
 
 def check_source(src: WeightSource) -> list[str]:

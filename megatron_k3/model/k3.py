@@ -224,3 +224,9 @@ class K3ForCausalLM(nn.Module):
         if mtp_losses:
             loss = loss + mtp_loss_weight * torch.stack(mtp_losses).mean()
         return {"loss": loss, "lm_loss": lm_loss, "mtp_losses": mtp_losses}
+
+
+def hf_shapes(cfg) -> dict:
+    """{official HF name (without ``language_model.``): shape} in ``state_dict`` order, from a meta-device build."""
+    with torch.device("meta"):
+        return {k: v.shape for k, v in K3ForCausalLM(cfg, init=False).state_dict().items()}
