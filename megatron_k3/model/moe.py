@@ -34,9 +34,13 @@ def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.
     ``torch._grouped_mm`` on CUDA; on the CPU (whose ``_grouped_mm`` has no backward in torch 2.14) a loop."""
     if x.is_cuda:
         return torch._grouped_mm(x, w_t, offs=offs)
+    return torch.cat([x[a:b] @ w_t[e] for e, (a, b) in enumerate(_group_bounds(offs))], dim=0)
+
+
+def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """[(start, end)] row ranges of the groups whose ends are ``offs`` (a host sync: CPU paths only)."""
     ends = offs.tolist()
-    starts = [0] + ends[:-1]
-    return torch.cat([x[a:b] @ w_t[e] for e, (a, b) in enumerate(zip(starts, ends))], dim=0)
+    return list(zip([0] + ends[:-1], ends))
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -60,8 +64,7 @@ class _GroupedLinear(torch.autograd.Function):
         if x.is_cuda:
             gw = torch._grouped_mm(gy.t(), x, offs=offs).unbind(0)
         else:
-            ends = offs.tolist()
-            gw = [gy[a:b].t() @ x[a:b] for a, b in zip([0] + ends[:-1], ends)]
+            gw = [gy[a:b].t() @ x[a:b] for a, b in _group_bounds(offs)]
         return (gx, None, *[g.to(t.dtype) for g, t in zip(gw, weights)])
 
 
