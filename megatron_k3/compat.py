@@ -25,6 +25,17 @@ What is patched and why (all measured on megatron-core 0.19.2, torch 2.14, see s
    sizes stay tensors on CPU and ``all_to_all_single`` rejects them: convert CPU tensors too.
 
 Process groups use gloo on CPU and NCCL on GPU (``backend()``).
+
+One more patch applies on every machine, CPU or GPU, and only when neither Transformer Engine nor apex is
+importable (``use_foreach_fallbacks()``, called by ``setup_device``):
+
+7. megatron's local stand-ins for apex's multi-tensor kernels loop over parameters in Python, and its L2
+   norm stand-in reads every per-tensor norm back to the host (``torch.tensor(list_of_cuda_scalars)``: one
+   device sync per parameter tensor, ~2,600 per step for k3-mini). They are replaced by ``torch._foreach_*``
+   versions with the same results (``_foreach_norm``, ``_foreach_mul_``/``_foreach_copy_``; no host sync).
+   ``fuse_torch_adamw`` (called by ``runtime.build_optimizer``) switches megatron's fallback
+   ``torch.optim.AdamW`` to torch's fused kernel when its fp32 parameters are on CUDA.
+   tests/test_compat.py pins the stand-ins to megatron's.
 """
 from __future__ import annotations
 
@@ -51,8 +62,10 @@ def setup_device(local_rank: int | None = None) -> torch.device:
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
+        use_foreach_fallbacks()
         return torch.device("cuda", local_rank)
     enable_cpu_mode()
+    use_foreach_fallbacks()
     return torch.device("cpu")
 
 
@@ -199,3 +212,76 @@ def _patch_megatron():
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. foreach stand-ins for apex's multi-tensor kernels (only where megatron fell back to its local loops)
+_FOREACH = False
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``amp_C.multi_tensor_l2norm`` (total norm only): the 2-norm of all tensors of ``tensor_lists[0]``,
+    a 1-element fp32 tensor on their device; one ``_foreach_norm``, no host sync."""
+    ts = [t for t in tensor_lists[0] if t.numel()]
+    if not ts:
+        dev = tensor_lists[0][0].device if tensor_lists[0] else "cuda"
+        return torch.zeros(1, dtype=torch.float32, device=dev), None
+    norms = torch._foreach_norm(ts, 2)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    return total.reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``amp_C.multi_tensor_scale``: ``dst = src * scale`` (in src's dtype, then cast, as megatron's loop)."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+        return
+    torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
+
+
+def fuse_torch_adamw(optimizer) -> int:
+    """Switch every plain ``torch.optim.AdamW`` inside a megatron optimizer (its no-TE/no-apex fallback) whose
+    parameters all live on CUDA to torch's fused kernel; a pre-step hook moves ``step`` counters restored on
+    the host to the parameters' device (the fused kernel wants them there). Returns how many were switched."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    n = 0
+    for o in inners:
+        inner = getattr(o, "optimizer", None)
+        if type(inner) is not torch.optim.AdamW:
+            continue
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if not params or not all(p.is_cuda and p.dtype == torch.float32 for p in params):
+            continue
+        for g in inner.param_groups:
+            g["fused"], g["foreach"] = True, False
+
+        def _steps_to_device(opt, args, kwargs):
+            for p, st in opt.state.items():
+                s = st.get("step")
+                if torch.is_tensor(s) and s.device != p.device:
+                    st["step"] = s.to(device=p.device, dtype=torch.float32)
+
+        inner.register_step_pre_hook(_steps_to_device)
+        n += 1
+    return n
+
+
+def use_foreach_fallbacks() -> bool:
+    """Apply item 7 (idempotent). Returns whether megatron uses the foreach stand-ins."""
+    global _FOREACH
+    if _FOREACH:
+        return True
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer as mopt_optimizer
+
+    if clip_grads.l2_norm_impl is not mutils.local_multi_tensor_l2_norm:
+        return False  # Transformer Engine or apex provides the real multi-tensor kernels
+    clip_grads.l2_norm_impl = foreach_l2_norm
+    clip_grads.multi_tensor_scale_impl = foreach_scale
+    if mopt_optimizer.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
+        mopt_optimizer.multi_tensor_scale_impl = foreach_scale
+    _FOREACH = True
+    return True

@@ -168,7 +168,11 @@ def build_optimizer(ddp_chunks, lr: float, weight_decay: float = 0.1, clip_grad:
     oc = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=beta1,
                          adam_beta2=beta2, adam_eps=adam_eps, clip_grad=clip_grad, bf16=bf16,
                          use_distributed_optimizer=use_distributed_optimizer)
-    return get_megatron_optimizer(oc, ddp_chunks, config_overrides={})
+    opt = get_megatron_optimizer(oc, ddp_chunks, config_overrides={})
+    from ..compat import fuse_torch_adamw
+
+    fuse_torch_adamw(opt)  # no TE/apex on CUDA: torch's fused AdamW instead of its foreach loop
+    return opt
 
 
 def cp_slice(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
