@@ -94,3 +94,44 @@ def test_kda_layer_init_gate_range_and_impls_agree():
     y2 = layer(x2, impl="chunked")
     torch.testing.assert_close(y2[:, :30], y_chk[:, :30])
     assert not torch.allclose(y2[:, 30:], y_chk[:, 30:])
+
+
+def test_shifted_conv_and_gates_equal_reference_and_trace():
+    """The CUDA path of the KDA/MLA glue: ``causal_conv1d_shifted`` equals the conv1d reference (with and
+    without a cache), and the compiled graphs (aot_eager here) of it, the gated output norm and the sigmoid
+    gate equal their eager forms, values and gradients."""
+    from megatron_k3.model.common import compiled, sigmoid_gate
+    from megatron_k3.model.kda import _gated_norm, causal_conv1d, causal_conv1d_shifted
+
+    g = torch.Generator().manual_seed(0)
+    B, T, C, K = 2, 13, 12, 4
+    w = torch.randn(C, 1, K, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(B, T, C, generator=g).to(dtype)
+        cache = torch.randn(B, K - 1, C, generator=g).to(dtype)
+        dy = torch.randn(B, T, C, generator=g).to(dtype)
+        for c in (None, cache):
+            res = []
+            for fn in (causal_conv1d, causal_conv1d_shifted, compiled(causal_conv1d_shifted, backend="aot_eager")):
+                xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+                y = fn(xx, ww, True, c)
+                y.backward(dy)
+                res.append((y.float(), xx.grad.float(), ww.grad))
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            for a, b in zip(res[1], res[0]):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+            for a, b in zip(res[2], res[1]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    o = torch.randn(B, T, 3, 8, generator=g)
+    gate = torch.randn(B, T, 3, 8, generator=g).to(torch.bfloat16)
+    nw = torch.rand(8, generator=g) + 0.5
+    for fn, args in ((_gated_norm, (o, nw, 1e-5)), (_gated_norm, (o, nw, 1e-5, gate.float())),
+                     (sigmoid_gate, (o, gate, torch.bfloat16))):
+        outs = []
+        for f in (fn, compiled(fn, backend="aot_eager")):
+            a = [t.clone().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in args]
+            y = f(*a)
+            y.float().sum().backward()
+            outs.append([y] + [t.grad for t in a if torch.is_tensor(t) and t.requires_grad])
+        for a, b in zip(outs[1], outs[0]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -51,8 +51,11 @@ class VocabParallelEmbedding(nn.Module):
         return tp_exit(e.transpose(0, 1).contiguous(), self.ctx)
 
 
-def _ce_chunk(h, weight, target):
-    logits = F.linear(h, weight).float().unsqueeze(1)                      # [N, 1, V/TP]
+def _ce_chunk(h, weight, target, tp: int):
+    logits = F.linear(h, weight).float()
+    if tp == 1:  # the whole vocabulary is local: torch's log-softmax CE (two passes over the logits, not ~8)
+        return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
+    logits = logits.unsqueeze(1)                                           # [N, 1, V/TP]
     valid = target != IGNORE_INDEX
     loss = vocab_parallel_cross_entropy(logits, target.masked_fill(~valid, 0).unsqueeze(1)).squeeze(1)
     return (loss * valid).sum()
@@ -60,12 +63,16 @@ def _ce_chunk(h, weight, target):
 
 def vocab_parallel_chunked_ce(hidden, weight, targets, chunk_tokens: int = 4096):
     """Sum of CE over non-ignored tokens; hidden [S, B, D] (full over TP), weight [V/TP, D], targets [S, B].
-    One chunk of [chunk, V/TP] logits is alive at a time (each recomputed in backward)."""
+    One chunk of [chunk, V/TP] logits is alive at a time (each recomputed in backward). Under TP megatron's
+    vocabulary-parallel CE; at TP 1 ``F.cross_entropy`` (the same sum)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     total = h.new_zeros((), dtype=torch.float32)
     for s in range(0, t.numel(), chunk_tokens):
-        args = (h[s:s + chunk_tokens], weight, t[s:s + chunk_tokens])
+        args = (h[s:s + chunk_tokens], weight, t[s:s + chunk_tokens], tp)
         total = total + (checkpoint(_ce_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
                          else _ce_chunk(*args))
     return total

@@ -28,12 +28,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import acc_dtype
+from .common import acc_dtype, compile_enabled, compiled
 
 
 def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """Softmax-weighted mix of ``blocks + [prefix]`` (each [..., D]); query and norm_weight are [D]."""
+    """Softmax-weighted mix of ``blocks + [prefix]`` (each [..., D]); query and norm_weight are [D].
+    On CUDA the reference below compiled (one graph per number of candidates); elsewhere the reference."""
+    if compile_enabled(prefix):
+        return compiled(attn_res_mix_reference)(prefix, list(blocks), query, norm_weight, eps)
+    return attn_res_mix_reference(prefix, blocks, query, norm_weight, eps)
+
+
+def attn_res_mix_reference(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain-PyTorch mix (equations in the module docstring)."""
     ct = acc_dtype(prefix)
     V = torch.stack(list(blocks) + [prefix], dim=0).to(ct)          # [N, ..., D]
     K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)

@@ -10,6 +10,7 @@ with a ``torch.Generator`` so a seed fully determines the weights.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,29 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Fast GPU path of the element-wise glue: the same plain-PyTorch functions, compiled by torch.compile
+# (inductor: one or two fused kernels per function instead of a dozen launches and fp32 round trips through
+# memory). ``K3_COMPILE``: "1" (default) compiles for CUDA tensors, "0" never, "all" on every device (tests);
+# ``K3_COMPILE_BACKEND`` picks the backend (default inductor). CPU runs the reference eagerly by default.
+# Tests pin the traced graphs to eager (tests/test_attn_res.py, tests/test_kda.py; tools/gpu_check.py).
+_COMPILED: dict = {}
+
+
+def compile_enabled(t: torch.Tensor) -> bool:
+    mode = os.environ.get("K3_COMPILE", "1")
+    return mode == "all" or (mode == "1" and t.is_cuda)
+
+
+def compiled(fn, backend: str | None = None):
+    """``fn`` compiled once per backend (whole graph, static shapes: one graph per distinct shape)."""
+    backend = backend or os.environ.get("K3_COMPILE_BACKEND", "inductor")
+    key = (fn, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+    return _COMPILED[key]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     ct = acc_dtype(x)
     xf = x.to(ct)
@@ -28,6 +52,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = y * weight.to(ct)
     return y.to(x.dtype)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(o * sigmoid(gate)) in fp32, cast to ``dtype`` (the KDA and MLA output gates)."""
+    ct = acc_dtype(o)
+    return (o.to(ct) * torch.sigmoid(gate.to(ct))).to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +71,8 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if compile_enabled(x):
+            return compiled(rms_norm)(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 

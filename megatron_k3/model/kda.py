@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Linear, RMSNorm, acc_dtype, inverse_softplus, rms_norm, scaled_init_std, uniform_
+from .common import (Linear, RMSNorm, acc_dtype, compile_enabled, compiled, inverse_softplus, rms_norm,
+                     scaled_init_std, sigmoid_gate, uniform_)
 
 # ----------------------------------------------------------------------------------------------------
 # Functional pieces
@@ -71,6 +72,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: bool = True
 
     ``cache`` [B, K-1, C] holds the K-1 inputs preceding x (zeros if None), e.g. from a previous CP rank.
     """
+    if compile_enabled(x):
+        return compiled(causal_conv1d_shifted)(x, weight, activation, cache)
     B, T, C = x.shape
     K = weight.shape[-1]
     ct = acc_dtype(x)
@@ -81,6 +84,33 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: bool = True
     if activation:
         y = F.silu(y)
     return y.transpose(1, 2).to(x.dtype)
+
+
+def causal_conv1d_shifted(x: torch.Tensor, weight: torch.Tensor, activation: bool = True,
+                          cache: torch.Tensor | None = None) -> torch.Tensor:
+    """``causal_conv1d`` as K shifted multiply-adds in the [B, T, C] layout, y_t = sum_j w_j x_(t-K+1+j)
+    (no transposes, no conv kernel: element-wise, so torch.compile fuses it with the casts and SiLU into
+    one kernel; the CUDA path). Equal to ``causal_conv1d`` up to fp32 summation order."""
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    ct = acc_dtype(x)
+    prev = (torch.zeros(B, K - 1, C, dtype=ct, device=x.device) if cache is None else cache.to(ct))
+    xp = torch.cat([prev, x.to(ct)], dim=1)                               # [B, T + K - 1, C]
+    w = weight.to(ct).reshape(C, K)
+    y = xp[:, 0:T] * w[:, 0]
+    for j in range(1, K):
+        y = y + xp[:, j:j + T] * w[:, j]
+    if activation:
+        y = F.silu(y)
+    return y.to(x.dtype)
+
+
+def _gated_norm(o, weight, eps, gate=None):
+    """rms_norm(o) in fp32 (the per-head output norm), times sigmoid(gate) when given."""
+    y = rms_norm(o.to(acc_dtype(o)), weight, eps)
+    if gate is not None:
+        y = y * torch.sigmoid(gate.to(y.dtype))
+    return y
 
 
 def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=None,
@@ -273,14 +303,15 @@ class KimiDeltaAttention(nn.Module):
             kw = {} if impl == "recurrent" else {"chunk_size": self.cfg.kda_chunk_size}
             o, state = fn(l2norm(q), l2norm(k), v, g, beta, scale=d ** -0.5, initial_state=initial_state,
                           output_final_state=output_final_state, **kw)
-        o = rms_norm(o.to(acc_dtype(q)), self.o_norm.weight, self.o_norm.eps)
-        return o, state
+        o = o.to(acc_dtype(q))
+        norm = compiled(_gated_norm) if compile_enabled(o) else _gated_norm
+        return norm(o, self.o_norm.weight, self.o_norm.eps), state
 
     def output(self, o, gate, dtype):
         """Gated output projection: o_proj(o * sigmoid(gate)); o, gate [B, T, H, d]."""
         B, T, H, d = o.shape
-        o = o.to(acc_dtype(o)) * torch.sigmoid(gate.to(acc_dtype(o)))
-        return self.o_proj(o.reshape(B, T, H * d).to(dtype))
+        o = (compiled(sigmoid_gate) if compile_enabled(o) else sigmoid_gate)(o, gate, dtype)
+        return self.o_proj(o.reshape(B, T, H * d))
 
     def forward(self, x: torch.Tensor, initial_state=None, conv_caches=None, output_final_state: bool = False,
                 impl: str = "auto"):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Linear, RMSNorm, acc_dtype, scaled_init_std
+from .common import Linear, RMSNorm, compile_enabled, compiled, scaled_init_std, sigmoid_gate
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -79,8 +79,8 @@ class GatedMLA(nn.Module):
         B, T = o.shape[:2]
         o = o.reshape(B, T, -1)
         if self.cfg.mla_use_output_gate:
-            ct = acc_dtype(x)
-            o = (o.to(ct) * torch.sigmoid(self.g_proj(x).to(ct))).to(x.dtype)
+            g = self.g_proj(x)
+            o = (compiled(sigmoid_gate) if compile_enabled(o) else sigmoid_gate)(o, g, x.dtype)
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
