@@ -12,3 +12,7 @@ def test_benchmark_smoke(root, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(out))
     assert rep["tokens_per_s"] > 0 and len(rep["step_times_s"]) == 2 and rep["model_flops_per_token"] > 0
+    for name in ("seed", "gptmodel"):  # both same-run baselines trained (GPTModel: local spec on CPU)
+        b = rep["baselines"][name]
+        assert "error" not in b, b
+        assert len(b["step_times_s"]) == 2 and rep[f"speedup_vs_{name}"] > 0

@@ -8,9 +8,12 @@ Times full training steps (forward, backward, gradient finalisation, AdamW step)
 (synchronised wall clock around each step) and reports the median step time, tokens/s, MFU and peak memory.
 In the same process it then times the **seed-style baseline** (``--baselines seed``): the golden
 plain-PyTorch ``K3ForCausalLM`` on one device as a careful single-GPU user would run it (bf16 weights, fla
-``chunk_kda`` on CUDA, grouped-GEMM experts, chunked cross-entropy, fused AdamW; eager: torch.compile is not
-applied) on the same shapes and data, and reports ``speedup_vs_seed``. megatron-core's ``GPTModel`` baseline
-of the speed issue needs Transformer Engine's fused attention on the device and is not in this harness yet. Model FLOPs per token (see
+``chunk_kda`` on CUDA, grouped-GEMM experts, chunked cross-entropy, fused AdamW, and on CUDA the same
+torch.compile'd element-wise glue as the K3 model: ``K3_COMPILE=0`` runs both eagerly) on the same shapes and data, and reports ``speedup_vs_seed``; and megatron-core's own ``GPTModel``
+(``--baselines gptmodel``: MLA + MoE at the same width, depth, heads, experts and vocabulary, TE spec when
+Transformer Engine imports; see ``gptmodel_config``), reported as ``speedup_vs_gptmodel``. On CUDA one extra
+profiled step gives ``breakdown``: device time by kernel kind (GEMM, fla KDA, attention, optimizer,
+elementwise, ...) and the profiled step's wall time (their gap is time the GPU waits for the host). Model FLOPs per token (see
 benchmarks/README.md): 6 x active parameters without the input embedding, plus causal attention scores of
 the MLA layers (3 x 2 x (S/2) x H x (d_qk + d_v)) and the KDA chunked recurrence
 (3 x H x (4 C d + 4 d^2) with chunk C = 64).
@@ -51,8 +54,14 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU smoke mode: k3-tiny, seq 128, 2+2 steps")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="also profile one extra step; write the top ops table here")
-    ap.add_argument("--baselines", default="seed", help="comma list of same-run baselines: seed, or none")
+    ap.add_argument("--baselines", default="seed,gptmodel",
+                    help="comma list of same-run baselines: seed, gptmodel, or none")
+    ap.add_argument("--no-te", action="store_true",
+                    help="hide Transformer Engine and apex (megatron then uses its torch fallbacks)")
     args = ap.parse_args()
+    if args.no_te:
+        for m in ("transformer_engine", "transformer_engine.pytorch", "apex", "amp_C"):
+            sys.modules[m] = None  # import raises ImportError
     if args.smoke:
         args.preset, args.seq_length, args.micro_batch_size, args.warmup, args.steps = "k3-tiny", 128, 2, 2, 2
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29677"), RANK="0",
@@ -104,32 +113,45 @@ def main():
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t1)
-    if args.profile:
+    breakdown = None
+    if args.profile or cuda:  # one extra, profiled step: where the device time goes
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts) as prof:
+            t1 = time.perf_counter()
             train_step(micro)
             if cuda:
                 torch.cuda.synchronize()
-        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        with open(args.profile, "w") as f:
-            f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
+            prof_wall = time.perf_counter() - t1
+        if cuda:
+            breakdown = {"profiled_step_wall_s": prof_wall, **kernel_breakdown(prof)}
+        if args.profile:
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            with open(args.profile, "w") as f:
+                f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
     k3_peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
     if args.out:  # the K3 measurement survives a baseline that runs out of time or memory
         with open(args.out, "w") as f:
             json.dump({"partial": True, "step_times_s": times, "median_step_s": statistics.median(times),
                        "tokens_per_s": B * S / statistics.median(times), "peak_memory_gib": k3_peak}, f)
     baselines = {}
-    if "seed" in args.baselines.split(","):
-        del opt, ddp, chunks
+    del opt, ddp, chunks
+    for name in [b for b in args.baselines.split(",") if b and b != "none"]:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
-            baselines["seed"] = seed_baseline(cfg, B, S, device, dtype, args.warmup, args.steps)
+            fn = {"seed": seed_baseline, "gptmodel": gptmodel_baseline}[name]
+            baselines[name] = fn(cfg, B, S, device, dtype, args.warmup, args.steps)
         except Exception as e:  # noqa: BLE001  (report, do not lose the K3 measurement)
-            baselines["seed"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            import traceback
+
+            baselines[name] = {"error": f"{type(e).__name__}: {e}"[:500],
+                               "where": traceback.format_exc().splitlines()[-6:]}
+        if args.out:
+            with open(args.out + ".partial", "w") as f:
+                json.dump(baselines, f)
     info = model_info(cfg)
     med = statistics.median(times)
     tps = B * S / med
@@ -143,7 +165,8 @@ def main():
         "recompute": args.recompute_granularity, "build_and_init_s": build_s,
         "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
-        "peak_memory_gib": k3_peak, "baselines": baselines,
+        "peak_memory_gib": k3_peak, "breakdown": breakdown, "baselines": baselines,
+        "transformer_engine": have_te(), "compiled_glue": cuda and os.environ.get("K3_COMPILE", "1") != "0",
     }
     for name, b in baselines.items():
         if "median_step_s" in b:
@@ -156,6 +179,184 @@ def main():
         with open(args.out, "w") as f:
             f.write(txt + "\n")
     ps.destroy_model_parallel()
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001  (ImportError, or a TE build that does not load)
+        return False
+
+
+# apply_rope_fusion is left out: megatron 0.19.2 refuses it for MLA with plain RoPE ("apply_rope_fusion for
+# MLA only works with YARN RoPE", measured on the H200 2026-12-01)
+GPTMODEL_FUSIONS = dict(gradient_accumulation_fusion=True, moe_permute_fusion=True, moe_router_fusion=True,
+                        cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
+
+
+def gptmodel_config(cfg, dtype, te: bool, cuda: bool, fusions: bool = True):
+    """megatron-core ``MLATransformerConfig`` at the K3 config's width, depth, heads, MLA ranks, experts
+    (sigmoid top-k with expert bias, shared experts, the same dense-first layers) and vocabulary: what a
+    user would train instead. SwiGLU and RoPE MLA (megatron's own), no KDA, no AttnRes. With Transformer
+    Engine: TE spec, grouped-GEMM experts and the latent MoE projections; without it the local spec
+    (sequential experts, no latent projections: megatron requires TE for them; SDPA core attention).
+    ``fusions`` (TE only): the fused paths Megatron-LM recipes turn on (``GPTMODEL_FUSIONS``: wgrad
+    accumulation into main_grad, MoE permute and router fusion, TE's fused cross-entropy)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    L = cfg.num_hidden_layers
+    freq = [0 if i < cfg.first_k_dense_replace else 1 for i in range(L)]
+    kw = dict(num_layers=L, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+              ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
+              add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
+              attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+              q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
+              qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_type="rope",
+              use_cpu_initialization=not cuda, bias_activation_fusion=te, masked_softmax_fusion=te,
+              apply_rope_fusion=False)
+    if te and cuda and fusions:
+        kw.update(GPTMODEL_FUSIONS)
+    if cfg.num_experts > 0:
+        kw.update(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                  moe_router_topk=cfg.num_experts_per_token, moe_layer_freq=freq,
+                  moe_shared_expert_intermediate_size=(cfg.num_shared_experts * cfg.moe_intermediate_size or None),
+                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  moe_token_dispatcher_type="alltoall", moe_grouped_gemm=te)
+        if te and cfg.routed_expert_hidden_size:
+            kw["moe_latent_size"] = cfg.routed_expert_hidden_size
+    return MLATransformerConfig(**kw)
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal ``F.scaled_dot_product_attention`` with megatron's core-attention interface, for the no-TE
+    GPTModel baseline: megatron 0.19.2's local ``DotProductAttention`` does not take MLA's separate
+    ``k_channels``/``v_channels`` (TypeError), so without TE its MLA spec cannot be built as shipped."""
+
+    def __init__(self, config=None, layer_number=None, attn_mask_type=None, attention_type=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, **kw):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, q, k, v, attention_mask=None, **kw):  # [S, B, H, D] each
+        import torch.nn.functional as F
+
+        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                           scale=self.softmax_scale)
+        S, B = q.shape[0], q.shape[1]
+        return o.permute(2, 0, 1, 3).reshape(S, B, -1)
+
+
+def gptmodel_baseline(cfg, B, S, device, dtype, warmup, steps):
+    """megatron-core ``GPTModel`` of the same shape, trained through the same DDP, optimizer and schedule
+    as the K3 model (see ``gptmodel_config``): with its fusions on when TE is there; if that build or run
+    fails, without them (the error is kept in the result)."""
+    fused = have_te() and device.type == "cuda"
+    if fused:
+        try:
+            return _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions=True)
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"[:400]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            rec = _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions=False)
+            rec["fusions_error"] = err
+            return rec
+    return _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions=False)
+
+
+def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_k3.megatron.runtime import build_optimizer, wrap_ddp
+
+    cuda = device.type == "cuda"
+    te = have_te()
+    tc = gptmodel_config(cfg, dtype, te, cuda, fusions=fusions)
+    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=te)
+    if not te:
+        for ls in spec.layer_specs:
+            ls.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    model = GPTModel(tc, spec, vocab_size=cfg.vocab_size, max_sequence_length=S, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    if dtype != torch.float32:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(tc, model)
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    ddp = wrap_ddp([model], tc)
+    opt = build_optimizer(ddp, lr=1e-4, bf16=dtype == torch.bfloat16)
+    fb = get_forward_backward_func()
+    pos = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
+
+    def fwd(data_iterator, m):
+        b = next(data_iterator)
+        out = m(b["tokens"], pos, None, labels=b["labels"])
+        return out, lambda o: (o.float().mean(), {})
+
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(warmup + steps):
+        t = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
+        micro = [{"tokens": t[:, :-1].to(device), "labels": t[:, 1:].to(device)}]
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        ddp[0].zero_grad_buffer()
+        opt.zero_grad()
+        fb(forward_step_func=fwd, data_iterator=iter(micro), model=ddp[0], num_microbatches=1, seq_length=S,
+           micro_batch_size=B, forward_only=False)
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - t1)
+    return {"what": f"megatron-core GPTModel, {'TE spec, grouped-GEMM experts, latent MoE' if te else 'local spec (no TE)'}"
+                    f", MLA (RoPE) + SwiGLU, same width/depth/heads/experts/vocab, same DDP + optimizer",
+            "transformer_engine": te, "fusions": GPTMODEL_FUSIONS if (te and cuda and fusions) else None,
+            "params": n_params, "step_times_s": times,
+            "median_step_s": statistics.median(times),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+
+
+def kernel_breakdown(prof) -> dict:
+    """Self device time of one profiled step, grouped by what the kernels do (names matched in order)."""
+    import re
+
+    groups = [("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
+              ("attention", r"flash|fmha|cudnn|attention|sdpa"),
+              ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|grouped_mm|matmul|_mm_|wgmma|magma|gemv|cublas"),
+              ("optimizer", r"adam|multi_tensor|foreach|l2norm"),
+              ("situ_triton", r"situ"),
+              ("norm_reduce", r"reduce|norm|softmax"),
+              ("copy_cat", r"copy|cat|memcpy|memset|index|gather|scatter|fill"),
+              ("elementwise", r"elementwise|vectorized|unrolled|triton_")]
+    out = {k: 0.0 for k, _ in groups}
+    out["other"] = 0.0
+    top_other = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        if not t or e.device_type.name != "CUDA":
+            continue
+        name = e.key.lower()
+        for k, rx in groups:
+            if re.search(rx, name):
+                out[k] += t / 1e6
+                break
+        else:
+            out["other"] += t / 1e6
+            top_other[e.key[:80]] = t / 1e6
+    total = sum(out.values())
+    return {"device_busy_s": total, "by_kind_s": {k: round(v, 5) for k, v in out.items()},
+            "top_other": dict(sorted(top_other.items(), key=lambda kv: -kv[1])[:8])}
 
 
 def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
@@ -184,8 +385,9 @@ def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
             torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - t1)
+    glue = "compiled glue (AttnRes, norms, gates, short convs)" if os.environ.get("K3_COMPILE", "1") != "0" else "eager"
     return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
-                    "fused AdamW, eager", "step_times_s": times, "median_step_s": statistics.median(times),
+                    f"fused AdamW, {glue}", "step_times_s": times, "median_step_s": statistics.median(times),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
 
 

@@ -170,10 +170,85 @@ def check_grouped_experts(report):
     report["grouped_linear_vs_fp64_loop"] = {"shape": f"T={T}, E={E}, in={L}, out={2 * F}, one empty group", **out}
 
 
+def check_fallbacks(report):
+    """compat item 7 on CUDA: the foreach stand-ins vs megatron's local loops, and torch's fused AdamW (what
+    ``fuse_torch_adamw`` switches megatron's fallback to) vs its foreach AdamW over 5 steps."""
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    from megatron_k3 import compat
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ts = [torch.randn(n, m, device="cuda", generator=g) for n, m in ((1024, 512), (40, 7), (3, 1), (512, 4864))]
+    ours = float(compat.foreach_l2_norm(0, None, [ts], False)[0])
+    ref = float(local_multi_tensor_l2_norm(0, None, [ts], False)[0])
+    a = [torch.empty_like(t, dtype=torch.bfloat16) for t in ts]
+    b = [torch.empty_like(t, dtype=torch.bfloat16) for t in ts]
+    compat.foreach_scale(0, None, [ts, a], 1.0)
+    local_multi_tensor_scale(0, None, [ts, b], 1.0)
+    res = {"l2_norm_rel_vs_local": abs(ours - ref) / ref, "scale_copy_bitexact": all(torch.equal(x, y) for x, y in zip(a, b))}
+    ps = [[torch.nn.Parameter(t.clone()) for t in ts] for _ in range(2)]
+    opts = [torch.optim.AdamW(ps[0], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True),
+            torch.optim.AdamW(ps[1], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)]
+    for _ in range(5):
+        grads = [torch.randn(t.shape, device="cuda", generator=g) for t in ts]
+        for p_list, o in zip(ps, opts):
+            for p, gr in zip(p_list, grads):
+                p.grad = gr.clone()
+            o.step()
+    res["fused_vs_foreach_adamw_5_steps_max_abs"] = max(float((x - y).abs().max()) for x, y in zip(*ps))
+    report["foreach_fallbacks"] = res
+
+
+def check_compiled_glue(cfg, report):
+    """The golden model on CUDA with its compiled glue (inductor: AttnRes, norms, gates, short convs) vs the
+    same model eager (K3_COMPILE=0): loss and gradients, fp32 and bf16."""
+    from megatron_k3.model import K3ForCausalLM
+
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        m = K3ForCausalLM(cfg, seed=0)
+        if dt != torch.float32:
+            m.to_compute_dtype(dt)
+        m.cuda()
+        ids = torch.randint(0, cfg.vocab_size, (2, 257), generator=torch.Generator().manual_seed(1)).cuda()
+        res = []
+        for flag in ("0", "1"):
+            os.environ["K3_COMPILE"] = flag
+            m.zero_grad(set_to_none=True)
+            loss = m(ids[:, :-1], ids[:, 1:])["loss"]
+            loss.backward()
+            res.append((loss.detach().double(), [p.grad.detach().double().clone() for p in m.parameters() if p.grad is not None]))
+        os.environ.pop("K3_COMPILE")
+        out[str(dt).replace("torch.", "")] = {
+            "loss_eager": float(res[0][0]), "loss_compiled": float(res[1][0]),
+            "grad_rel_max": max(rel(a, b) for a, b in zip(res[1][1], res[0][1]))}
+    report["compiled_glue_vs_eager"] = out
+
+
+def check_situ_shapes(report):
+    """The streaming SiTU kernels vs the reference at k3-mini's FFN shapes and an odd one (bf16 in, fp64 truth)."""
+    from megatron_k3.model.situ import situ_glu, situ_glu_stream
+
+    out = {}
+    for name, (r, w) in {"experts_grouped": (65536, 1024), "dense": (16384, 9728), "odd": (1000, 2 * 333)}.items():
+        x = (torch.randn(r, w, device="cuda") * 4).to(torch.bfloat16)
+        dy = torch.randn(r, w // 2, device="cuda").to(torch.bfloat16)
+        x1 = x.clone().requires_grad_()
+        y1 = situ_glu_stream(x1)
+        y1.backward(dy)
+        xd = x.double().requires_grad_()
+        yd = situ_glu(xd)
+        yd.backward(dy.double())
+        out[name] = {"out_rel": rel(y1.double(), yd.detach()), "grad_rel": rel(x1.grad.double(), xd.grad)}
+    report["situ_stream_vs_fp64"] = out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", choices=["all", "grouped"], default="all")
+    ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled"], default="all",
+                    help="fast: grouped experts, the foreach/fused optimizer fallbacks, SiTU shapes, compiled glue; "
+                         "compiled: the compiled glue only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_check.py needs a CUDA GPU")
@@ -191,6 +266,15 @@ def main():
     if args.only == "grouped":
         report["command"] = "python3 tools/gpu_check.py --only grouped"
         check_grouped_experts(report)
+    elif args.only == "compiled":
+        report["command"] = "python3 tools/gpu_check.py --only compiled"
+        check_compiled_glue(cfg, report)
+    elif args.only == "fast":
+        report["command"] = "python3 tools/gpu_check.py --only fast"
+        check_grouped_experts(report)
+        check_fallbacks(report)
+        check_situ_shapes(report)
+        check_compiled_glue(cfg, report)
     else:
         check_kda_kernel(cfg, report)
         check_megatron_model(cfg, report)
