@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from ..model.moe import grouped_linear
 
@@ -49,3 +50,42 @@ class GroupedExperts(SequentialMLP):
         h = experts[0].activation_func(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
         return grouped_linear(h, fc2, offs), None
+
+
+class LocalAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher without its host synchronisation when every expert is local and the
+    tokens are not sequence-sharded (EP x TP = 1, dropless).
+
+    megatron 0.19.2 copies ``tokens_per_expert`` to the host and waits for it in every MoE forward
+    (``_maybe_dtoh_and_synchronize`` at "before_permutation_2"/"before_finish"), and sorts the tokens by
+    local expert with a split/cat (``sort_chunks_by_idxs``) on the way in and back. With one source rank
+    that sort is the identity permutation, and ``GroupedExperts`` reads the counts on the device, so both
+    are skipped here: no device-to-host copy, no sync (the host keeps running ahead of the GPU), no two
+    copies of the permuted tokens per layer. The permutation itself (megatron's argsort ``permute``) was
+    already sync-free. Any other layout (EP > 1 or TP > 1: the all-to-all needs host split sizes, and the
+    sort is real) or token dropping takes megatron's path unchanged. The sequential fallback of
+    ``GroupedExperts`` still accepts the device counts (its ``.tolist()`` syncs there, as before)."""
+
+    @classmethod
+    def adopt(cls, dispatcher: MoEAlltoAllTokenDispatcher) -> MoEAlltoAllTokenDispatcher:
+        """Turn the dispatcher megatron's ``MoELayer`` built into this class in place (it adds methods and
+        one flag, no state), keeping its process groups and streams."""
+        dispatcher.__class__ = cls
+        dispatcher.k3_local = dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and not dispatcher.drop_and_pad
+        return dispatcher
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if self.k3_local:
+            return tokens_per_expert
+        return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if not self.k3_local:
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states):
+        if not self.k3_local:
+            return super().combine_preprocess(hidden_states)
+        return hidden_states

@@ -31,6 +31,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -235,6 +236,10 @@ class ParallelLatentMoE(MoELayer):
         experts = functools.partial(_build_experts, expert_config=expert_config, submodules=mlp_sub)
         super().__init__(tconfig, MoESubmodules(experts=experts, router=K3Router), layer_number=layer_number)
         self.k3cfg, self.ctx, self.self_sp = cfg, ctx, self_sp
+        if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher:  # sync-free when EP x TP = 1
+            from .experts import LocalAlltoAllDispatcher
+
+            LocalAlltoAllDispatcher.adopt(self.token_dispatcher)
         self.latent = cfg.routed_expert_hidden_size is not None
         D, L = cfg.hidden_size, cfg.expert_width
         if self.latent:
