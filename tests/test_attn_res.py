@@ -156,3 +156,24 @@ print("OK", float(res[0][0]))
     env = dict(os.environ, PYTHONPATH=root, K3_COMPILE_BACKEND="aot_eager")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_compiled_mixer_keeps_compiling_past_eight_candidate_counts():
+    """Up to 10 candidate counts x 2 grad modes (k3-full) stay compiled: with dynamo's default limit of 8
+    graphs per function the 9th would raise FailOnRecompileLimitHit (fullgraph)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    from megatron_k3.model.attn_res import attn_res_mix_reference
+    from megatron_k3.model.common import compiled
+
+    fn = compiled(attn_res_mix_reference, backend="aot_eager")
+    dynamo.reset()
+    counters.clear()
+    D = 8
+    for n in range(1, 11):
+        for grad in (True, False):
+            cands = [torch.randn(2, 3, D, requires_grad=grad) for _ in range(n)]
+            with torch.set_grad_enabled(grad):
+                fn(cands[-1], cands[:-1], torch.randn(D), torch.rand(D) + 0.5, 1e-5)
+    assert counters["stats"]["unique_graphs"] >= 20, dict(counters["stats"])

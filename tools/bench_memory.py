@@ -147,6 +147,15 @@ def bench_op(args, device):
             rec["fwd_bwd_s"]["naive_compiled"] = _timeit(run(naive_c), iters=iters, repeats=5 if cuda else 2,
                                                          warmup=3)
             rec["stream_vs_compiled"] = rec["fwd_bwd_s"]["stream"] / rec["fwd_bwd_s"]["naive_compiled"]
+            if cuda:  # the op with inductor's kernels for its formulas (K3_SITU_IMPL=compiled), same saved bytes
+                os.environ["K3_SITU_IMPL"] = "compiled"
+                try:
+                    rec["fwd_bwd_s"]["stream_compiled_formulas"] = _timeit(
+                        run(situ_glu_stream), iters=iters, repeats=5, warmup=3)
+                    rec["stream_compiled_formulas_vs_compiled"] = (rec["fwd_bwd_s"]["stream_compiled_formulas"]
+                                                                   / rec["fwd_bwd_s"]["naive_compiled"])
+                finally:
+                    os.environ.pop("K3_SITU_IMPL", None)
         rec["stream_vs_eager"] = rec["fwd_bwd_s"]["stream"] / rec["fwd_bwd_s"]["naive_eager"]
         if cuda:  # bytes moved by the op (fwd: read x, write y; bwd: read x + dy, write dx)
             moved = 2 * (r * w + r * w // 2) + 2 * (r * w + r * w // 2 + r * w)

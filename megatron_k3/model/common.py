@@ -41,6 +41,14 @@ def compiled(fn, backend: str | None = None):
     backend = backend or os.environ.get("K3_COMPILE_BACKEND", "inductor")
     key = (fn, backend)
     if key not in _COMPILED:
+        # one graph per (shape, dtype, grad mode): the AttnRes mixer alone sees up to L / block + 1 candidate
+        # counts in and out of recompute (k3-full: 10 x 2), past dynamo's default of 8 graphs per function,
+        # beyond which a fullgraph compile fails hard (FailOnRecompileLimitHit, measured with torch 2.x here)
+        import torch._dynamo.config as dcfg
+
+        for name in ("recompile_limit", "cache_size_limit"):
+            if getattr(dcfg, name, 64) < 64:
+                setattr(dcfg, name, 64)
         _COMPILED[key] = torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
     return _COMPILED[key]
 

@@ -22,7 +22,9 @@ and recomputes tanh/sigmoid in backward. With t = tanh(g / beta), s = sigmoid(g)
                du    = dh * (beta t s) * (1 - t_u^2)
 
 Everything is element-wise, so the work is chunked along the token (row) axis and exact: on CUDA a Triton
-kernel (``situ_triton.py``; fp32 math in registers, one pass over the bf16 input and the output); elsewhere
+kernel (``situ_triton.py``; fp32 math in registers, one pass over the bf16 input and the output), or with
+``K3_SITU_IMPL=compiled`` the same forward/backward formulas compiled by inductor (``situ_fwd_math``,
+``situ_bwd_math``; still saving only the input); elsewhere
 (CPU, fp64) a PyTorch loop over row chunks through a constant-size fp32 workspace (``STREAM_CHUNK_ELEMS``
 elements per buffer; 3 buffers forward, 5 backward), whatever R is. Inputs may be the two halves of one
 [.., 2H] tensor (megatron's expert fc1 output) or two separate tensors (the dense/shared MLP's gate_proj
@@ -144,6 +146,36 @@ def situ_backward_chunked(g, u, dy, dg, du, beta, linear_beta, chunk_elems: int 
     return dg, du
 
 
+def situ_fwd_math(x, beta: float, linear_beta: float):
+    """Forward formula on a concatenated [.., 2H] input, fp32 inside, cast back (compiled on CUDA)."""
+    g, u = torch.chunk(x, 2, dim=-1)
+    ct = _compute_dtype(x.dtype)
+    g, u = g.to(ct), u.to(ct)
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))).to(x.dtype)
+
+
+def situ_bwd_math(x, dy, beta: float, linear_beta: float):
+    """Backward formulas (module docstring) -> dx = [dg ; du], fp32 inside, cast back (compiled on CUDA)."""
+    g, u = torch.chunk(x, 2, dim=-1)
+    ct = _compute_dtype(x.dtype)
+    g, u, d = g.to(ct), u.to(ct), dy.to(ct)
+    s = torch.sigmoid(g)
+    t = torch.tanh(g / beta)
+    tu = torch.tanh(u / linear_beta)
+    dact = s * ((1 - t * t) + beta * t * (1 - s))
+    dg = d * dact * (linear_beta * tu)
+    du = d * (beta * t * s) * (1 - tu * tu)
+    return torch.cat([dg, du], dim=-1).to(x.dtype)
+
+
+def _use_compiled(x: torch.Tensor) -> bool:
+    import os
+
+    from .common import compile_enabled
+
+    return os.environ.get("K3_SITU_IMPL", "triton") == "compiled" and compile_enabled(x)
+
+
 def _fwd(g2, u2, out2, beta, linear_beta):
     if _use_triton(g2):
         from .situ_triton import situ_fwd
@@ -180,11 +212,15 @@ class SiTUGLUFunction(torch.autograd.Function):
         if x.shape[-1] % 2:
             raise ValueError(f"SiTU-GLU needs an even last dimension, got {x.shape[-1]}")
         H = x.shape[-1] // 2
+        ctx.save_for_backward(x)
+        ctx.beta, ctx.linear_beta = beta, linear_beta
+        if _use_compiled(x):
+            from .common import compiled
+
+            return compiled(situ_fwd_math)(x, beta, linear_beta)
         x2 = _rows(x)
         out = torch.empty(x.shape[:-1] + (H,), dtype=x.dtype, device=x.device)
         _fwd(x2[:, :H], x2[:, H:], out.view(-1, H), beta, linear_beta)
-        ctx.save_for_backward(x)
-        ctx.beta, ctx.linear_beta = beta, linear_beta
         return out
 
     @staticmethod
@@ -192,6 +228,10 @@ class SiTUGLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         H = x.shape[-1] // 2
+        if _use_compiled(x):
+            from .common import compiled
+
+            return compiled(situ_bwd_math)(x, dy.to(x.dtype), ctx.beta, ctx.linear_beta), None, None
         x2 = _rows(x)
         dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         _bwd(x2[:, :H], x2[:, H:], _rows(dy.to(x.dtype)), dx[:, :H], dx[:, H:], ctx.beta, ctx.linear_beta)
