@@ -226,8 +226,8 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     if not ts:
         dev = tensor_lists[0][0].device if tensor_lists[0] else "cuda"
         return torch.zeros(1, dtype=torch.float32, device=dev), None
-    norms = torch._foreach_norm(ts, 2)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    norms = torch._foreach_norm(ts, 2, dtype=torch.float32)  # accumulate in fp32, as apex's kernel does
+    total = torch.linalg.vector_norm(torch.stack(norms))
     return total.reshape(1), None
 
 
