@@ -304,3 +304,22 @@ def test_import_refuses_a_layout_that_cannot_work(root, tmp_path):
     export.export_hf(export.source_from_state_dict(perturbed_state(cfg), cfg), tmp_path / "h", progress=False)
     r = tool(root, "convert_from_hf.py", "--hf", tmp_path / "h", "--output", tmp_path / "o", "--ep", 3, check=False)
     assert r.returncode == 2 and "EP=3" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_remote_code_rewrites_every_relative_import():
+    """Every relative import of the copied golden-model files (one-line and parenthesised multi-line, at
+    module level and inside functions) points at a shipped ``k3_*`` file after the rewrite."""
+    import re
+
+    from megatron_k3.hf.export import ROOT, _rewrite_imports, remote_modules
+
+    shipped = {dst[:-3] for _, dst in remote_modules()}
+    text = "from .common import (Linear,\n    RMSNorm)\nfrom . import situ\n    from .common import compiled\n"
+    out = _rewrite_imports(text, "model/kda.py")
+    assert out == ("from .k3_common import (Linear,\n    RMSNorm)\nfrom . import k3_situ as situ\n"
+                   "    from .k3_common import compiled\n"), out
+    for src, _ in remote_modules():
+        for m in re.finditer(r"^\s*from\s+(\.+)(\w*)\s+import\s+(.*)$", _rewrite_imports((ROOT / src).read_text(), src),
+                             re.MULTILINE):
+            target = m.group(2) or m.group(3).split(" as ")[0].strip()
+            assert target in shipped, (src, m.group(0))

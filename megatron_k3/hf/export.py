@@ -162,7 +162,13 @@ def shard(entries: list[Entry], shard_bytes: int) -> list[list[Entry]]:
 
 # ----------------------------------------------------------------------------------------------------
 # remote code and tokenizer
-_REL_IMPORT = re.compile(r"^(\s*)from\s+(\.+)([\w.]*)\s+import\s+([\w, ]+?)(\s*(?:#.*)?)$", re.MULTILINE)
+# ``from .m import a, b`` and the parenthesised, multi-line ``from .m import (a,\n    b)``
+_REL_IMPORT = re.compile(r"^([ \t]*)from\s+(\.+)([\w.]*)\s+import\s+(\([\w,\s]+?\)|[\w, ]+?)([ \t]*(?:#.*)?)$",
+                         re.MULTILINE)
+
+
+def _names(what: str) -> list[str]:
+    return [w.strip() for w in what.strip("()").replace("\n", " ").split(",") if w.strip()]
 
 
 def _resolve(src_rel: str, dots: str, mod: str, name: str | None) -> str:
@@ -192,7 +198,7 @@ def remote_modules() -> list[tuple[str, str]]:
             if mod:
                 todo.append(_resolve(rel, dots, mod, None))
             else:  # from . import a, b
-                todo.extend(_resolve(rel, dots, "", w.strip().split(" as ")[0]) for w in what.split(","))
+                todo.extend(_resolve(rel, dots, "", w.split(" as ")[0]) for w in _names(what))
     return [(rel, remote_name(rel)) for rel in seen]
 
 
@@ -204,8 +210,7 @@ def _rewrite_imports(text: str, src_rel: str) -> str:
         if mod:
             return f"{indent}from .{remote_name(_resolve(src_rel, dots, mod, None))[:-3]} import {what}{tail}"
         items = []
-        for w in what.split(","):
-            w = w.strip()
+        for w in _names(what):
             name, _, alias = w.partition(" as ")
             items.append(f"{remote_name(_resolve(src_rel, dots, '', name))[:-3]} as {alias or name}")
         return f"{indent}from . import {', '.join(items)}{tail}"

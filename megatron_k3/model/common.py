@@ -25,15 +25,22 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------------------
 # Fast GPU path of the element-wise glue: the same plain-PyTorch functions, compiled by torch.compile
 # (inductor: one or two fused kernels per function instead of a dozen launches and fp32 round trips through
-# memory). ``K3_COMPILE``: "1" (default) compiles for CUDA tensors, "0" never, "all" on every device (tests);
+# memory). ``K3_COMPILE``: "1" (default) compiles for CUDA tensors with autograd on, "0" never, "all" always
+# and on every device (tests);
 # ``K3_COMPILE_BACKEND`` picks the backend (default inductor). CPU runs the reference eagerly by default.
 # Tests pin the traced graphs to eager (tests/test_attn_res.py, tests/test_kda.py; tools/gpu_check.py).
 _COMPILED: dict = {}
 
 
-def compile_enabled(t: torch.Tensor) -> bool:
+def compile_enabled(t: torch.Tensor, grad_only: bool = True) -> bool:
+    """Whether to take the compiled path for ``t``. By default only with autograd on (training, and
+    recomputation in backward): inference and evaluation see a new sequence length at almost every call
+    (generation, HellaSwag), and a graph per shape would mean recompiling each time, then failing at the
+    per-function graph limit, so they run eagerly."""
     mode = os.environ.get("K3_COMPILE", "1")
-    return mode == "all" or (mode == "1" and t.is_cuda)
+    if mode == "all":
+        return True
+    return mode == "1" and t.is_cuda and (torch.is_grad_enabled() or not grad_only)
 
 
 def compiled(fn, backend: str | None = None):

@@ -173,7 +173,8 @@ def _use_compiled(x: torch.Tensor) -> bool:
 
     from .common import compile_enabled
 
-    return os.environ.get("K3_SITU_IMPL", "triton") == "compiled" and compile_enabled(x)
+    # called inside the autograd Function, where grad mode is always off: do not require it
+    return os.environ.get("K3_SITU_IMPL", "triton") == "compiled" and compile_enabled(x, grad_only=False)
 
 
 def _fwd(g2, u2, out2, beta, linear_beta):
