@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash tools/setup_env.sh --dev || exit 1
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "error: pytest collected no tests (exit 5): treating as a failure" >&2
