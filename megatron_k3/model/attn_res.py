@@ -28,16 +28,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import acc_dtype, compile_enabled, compiled
+from .common import acc_dtype, fast
 
 
 def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """Softmax-weighted mix of ``blocks + [prefix]`` (each [..., D]); query and norm_weight are [D].
     On CUDA the reference below compiled (one graph per number of candidates); elsewhere the reference."""
-    if compile_enabled(prefix):
-        return compiled(attn_res_mix_reference)(prefix, list(blocks), query, norm_weight, eps)
-    return attn_res_mix_reference(prefix, blocks, query, norm_weight, eps)
+    return fast(attn_res_mix_reference, prefix)(prefix, list(blocks), query, norm_weight, eps)
 
 
 def attn_res_mix_reference(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor,

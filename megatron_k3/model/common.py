@@ -60,6 +60,11 @@ def compiled(fn, backend: str | None = None):
     return _COMPILED[key]
 
 
+def fast(fn, t: torch.Tensor):
+    """``fn`` compiled when ``compile_enabled(t)``, else ``fn`` itself (same signature, same results)."""
+    return compiled(fn) if compile_enabled(t) else fn
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     ct = acc_dtype(x)
     xf = x.to(ct)
@@ -86,9 +91,7 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if compile_enabled(x):
-            return compiled(rms_norm)(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        return fast(rms_norm, x)(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import (Linear, RMSNorm, acc_dtype, compile_enabled, compiled, inverse_softplus, rms_norm,
+from .common import (Linear, RMSNorm, acc_dtype, compile_enabled, compiled, fast, inverse_softplus, rms_norm,
                      scaled_init_std, sigmoid_gate, uniform_)
 
 # ----------------------------------------------------------------------------------------------------
@@ -103,14 +103,6 @@ def causal_conv1d_shifted(x: torch.Tensor, weight: torch.Tensor, activation: boo
     if activation:
         y = F.silu(y)
     return y.to(x.dtype)
-
-
-def _gated_norm(o, weight, eps, gate=None):
-    """rms_norm(o) in fp32 (the per-head output norm), times sigmoid(gate) when given."""
-    y = rms_norm(o.to(acc_dtype(o)), weight, eps)
-    if gate is not None:
-        y = y * torch.sigmoid(gate.to(y.dtype))
-    return y
 
 
 def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=None,
@@ -304,13 +296,12 @@ class KimiDeltaAttention(nn.Module):
             o, state = fn(l2norm(q), l2norm(k), v, g, beta, scale=d ** -0.5, initial_state=initial_state,
                           output_final_state=output_final_state, **kw)
         o = o.to(acc_dtype(q))
-        norm = compiled(_gated_norm) if compile_enabled(o) else _gated_norm
-        return norm(o, self.o_norm.weight, self.o_norm.eps), state
+        return fast(rms_norm, o)(o, self.o_norm.weight, self.o_norm.eps), state
 
     def output(self, o, gate, dtype):
         """Gated output projection: o_proj(o * sigmoid(gate)); o, gate [B, T, H, d]."""
         B, T, H, d = o.shape
-        o = (compiled(sigmoid_gate) if compile_enabled(o) else sigmoid_gate)(o, gate, dtype)
+        o = fast(sigmoid_gate, o)(o, gate, dtype)
         return self.o_proj(o.reshape(B, T, H * d))
 
     def forward(self, x: torch.Tensor, initial_state=None, conv_caches=None, output_final_state: bool = False,

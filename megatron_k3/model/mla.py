@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Linear, RMSNorm, compile_enabled, compiled, scaled_init_std, sigmoid_gate
+from .common import Linear, RMSNorm, fast, scaled_init_std, sigmoid_gate
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -80,7 +80,7 @@ class GatedMLA(nn.Module):
         o = o.reshape(B, T, -1)
         if self.cfg.mla_use_output_gate:
             g = self.g_proj(x)
-            o = (compiled(sigmoid_gate) if compile_enabled(o) else sigmoid_gate)(o, g, x.dtype)
+            o = fast(sigmoid_gate, o)(o, g, x.dtype)
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ and recomputes tanh/sigmoid in backward. With t = tanh(g / beta), s = sigmoid(g)
 
 Everything is element-wise, so the work is chunked along the token (row) axis and exact: on CUDA a Triton
 kernel (``situ_triton.py``; fp32 math in registers, one pass over the bf16 input and the output), or with
-``K3_SITU_IMPL=compiled`` the same forward/backward formulas compiled by inductor (``situ_fwd_math``,
-``situ_bwd_math``; still saving only the input); elsewhere
+``K3_SITU_IMPL=compiled`` the same formulas compiled by inductor (forward: the reference ``situ_glu``,
+backward: ``situ_bwd_math``; still saving only the input); elsewhere
 (CPU, fp64) a PyTorch loop over row chunks through a constant-size fp32 workspace (``STREAM_CHUNK_ELEMS``
 elements per buffer; 3 buffers forward, 5 backward), whatever R is. Inputs may be the two halves of one
 [.., 2H] tensor (megatron's expert fc1 output) or two separate tensors (the dense/shared MLP's gate_proj
@@ -33,9 +33,13 @@ autograd function. It is not twice differentiable (the reference is).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from .common import compile_enabled, compiled
 
 # fp32 elements per workspace buffer of the chunked PyTorch path (1 MiB in fp32): rows per chunk = this // H
 STREAM_CHUNK_ELEMS = 1 << 18
@@ -146,14 +150,6 @@ def situ_backward_chunked(g, u, dy, dg, du, beta, linear_beta, chunk_elems: int 
     return dg, du
 
 
-def situ_fwd_math(x, beta: float, linear_beta: float):
-    """Forward formula on a concatenated [.., 2H] input, fp32 inside, cast back (compiled on CUDA)."""
-    g, u = torch.chunk(x, 2, dim=-1)
-    ct = _compute_dtype(x.dtype)
-    g, u = g.to(ct), u.to(ct)
-    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))).to(x.dtype)
-
-
 def situ_bwd_math(x, dy, beta: float, linear_beta: float):
     """Backward formulas (module docstring) -> dx = [dg ; du], fp32 inside, cast back (compiled on CUDA)."""
     g, u = torch.chunk(x, 2, dim=-1)
@@ -169,10 +165,6 @@ def situ_bwd_math(x, dy, beta: float, linear_beta: float):
 
 
 def _use_compiled(x: torch.Tensor) -> bool:
-    import os
-
-    from .common import compile_enabled
-
     # called inside the autograd Function, where grad mode is always off: do not require it
     return os.environ.get("K3_SITU_IMPL", "triton") == "compiled" and compile_enabled(x, grad_only=False)
 
@@ -216,9 +208,7 @@ class SiTUGLUFunction(torch.autograd.Function):
         ctx.save_for_backward(x)
         ctx.beta, ctx.linear_beta = beta, linear_beta
         if _use_compiled(x):
-            from .common import compiled
-
-            return compiled(situ_fwd_math)(x, beta, linear_beta)
+            return compiled(situ_glu)(x, beta, linear_beta)
         x2 = _rows(x)
         out = torch.empty(x.shape[:-1] + (H,), dtype=x.dtype, device=x.device)
         _fwd(x2[:, :H], x2[:, H:], out.view(-1, H), beta, linear_beta)
@@ -230,8 +220,6 @@ class SiTUGLUFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         H = x.shape[-1] // 2
         if _use_compiled(x):
-            from .common import compiled
-
             return compiled(situ_bwd_math)(x, dy.to(x.dtype), ctx.beta, ctx.linear_beta), None, None
         x2 = _rows(x)
         dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
