@@ -67,7 +67,6 @@ def main():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29677"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_k3.config import get_preset
     from megatron_k3.layout import ParallelLayout
@@ -90,29 +89,10 @@ def main():
     tconfig.finalize_model_grads_func = finalize_k3_grads
     tconfig.no_sync_func = ddp[0].no_sync
     opt = build_optimizer(ddp, lr=1e-4, bf16=args.bf16)
-    fb = get_forward_backward_func()
-    g = torch.Generator().manual_seed(0)
     B, S = args.micro_batch_size, args.seq_length
     cuda = device.type == "cuda"
-    def train_step(micro):
-        ddp[0].zero_grad_buffer()
-        opt.zero_grad()
-        fb(forward_step_func=make_forward_step(), data_iterator=iter(micro), model=ddp[0], num_microbatches=1,
-           seq_length=S, micro_batch_size=B, forward_only=False)
-        opt.step()
-
-    times = []
-    for step in range(args.warmup + args.steps):
-        t = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
-        micro = [{"tokens": t[:, :-1].to(device), "labels": t[:, 1:].to(device)}]
-        if cuda:
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        train_step(micro)
-        if cuda:
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t1)
+    train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
+    times, batch = time_steps(train_step, cfg.vocab_size, B, S, device, args.warmup, args.steps)
     breakdown = None
     if args.profile or cuda:  # one extra, profiled step: where the device time goes
         from torch.profiler import ProfilerActivity, profile
@@ -120,7 +100,7 @@ def main():
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts) as prof:
             t1 = time.perf_counter()
-            train_step(micro)
+            train_step(*batch)
             if cuda:
                 torch.cuda.synchronize()
             prof_wall = time.perf_counter() - t1
@@ -136,7 +116,7 @@ def main():
             json.dump({"partial": True, "step_times_s": times, "median_step_s": statistics.median(times),
                        "tokens_per_s": B * S / statistics.median(times), "peak_memory_gib": k3_peak}, f)
     baselines = {}
-    del opt, ddp, chunks
+    del opt, ddp, chunks, train_step
     for name in [b for b in args.baselines.split(",") if b and b != "none"]:
         if cuda:
             torch.cuda.empty_cache()
@@ -179,6 +159,42 @@ def main():
         with open(args.out, "w") as f:
             f.write(txt + "\n")
     ps.destroy_model_parallel()
+
+
+def time_steps(step, vocab: int, B: int, S: int, device, warmup: int, steps: int):
+    """Seconds per ``step(tokens, labels)`` after ``warmup`` steps, synchronised around each step, on random
+    batches that are the same in every run (seed 0). Returns (times, the last batch)."""
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for i in range(warmup + steps):
+        t = torch.randint(0, vocab, (B, S + 1), generator=g)
+        batch = (t[:, :-1].to(device), t[:, 1:].to(device))
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        step(*batch)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t1)
+    return times, batch
+
+
+def megatron_step(ddp, opt, forward_step, B: int, S: int):
+    """One training step of a DDP-wrapped megatron model (one micro-batch) through megatron's schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    fb = get_forward_backward_func()
+
+    def step(tokens, labels):
+        ddp[0].zero_grad_buffer()
+        opt.zero_grad()
+        fb(forward_step_func=forward_step, data_iterator=iter([{"tokens": tokens, "labels": labels}]), model=ddp[0],
+           num_microbatches=1, seq_length=S, micro_batch_size=B, forward_only=False)
+        opt.step()
+
+    return step
 
 
 def have_te() -> bool:
@@ -271,7 +287,6 @@ def gptmodel_baseline(cfg, B, S, device, dtype, warmup, steps):
 def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_k3.megatron.runtime import build_optimizer, wrap_ddp
 
@@ -292,7 +307,6 @@ def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
     n_params = sum(p.numel() for p in model.parameters())
     ddp = wrap_ddp([model], tc)
     opt = build_optimizer(ddp, lr=1e-4, bf16=dtype == torch.bfloat16)
-    fb = get_forward_backward_func()
     pos = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
 
     def fwd(data_iterator, m):
@@ -300,23 +314,7 @@ def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
         out = m(b["tokens"], pos, None, labels=b["labels"])
         return out, lambda o: (o.float().mean(), {})
 
-    g = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(warmup + steps):
-        t = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
-        micro = [{"tokens": t[:, :-1].to(device), "labels": t[:, 1:].to(device)}]
-        if cuda:
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        ddp[0].zero_grad_buffer()
-        opt.zero_grad()
-        fb(forward_step_func=fwd, data_iterator=iter(micro), model=ddp[0], num_microbatches=1, seq_length=S,
-           micro_batch_size=B, forward_only=False)
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(time.perf_counter() - t1)
+    times, _ = time_steps(megatron_step(ddp, opt, fwd, B, S), cfg.vocab_size, B, S, device, warmup, steps)
     return {"what": f"megatron-core GPTModel, {'TE spec, grouped-GEMM experts, latent MoE' if te else 'local spec (no TE)'}"
                     f", MLA (RoPE) + SwiGLU, same width/depth/heads/experts/vocab, same DDP + optimizer",
             "transformer_engine": te, "fusions": GPTMODEL_FUSIONS if (te and cuda and fusions) else None,
@@ -369,22 +367,13 @@ def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
     model.to(device).train()
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
-    g = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(warmup + steps):
-        t = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        loss = model(t[:, :-1], t[:, 1:])["loss"]
-        loss.backward()
+    def step(tokens, labels):
+        model(tokens, labels)["loss"].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(time.perf_counter() - t1)
+
+    times, _ = time_steps(step, cfg.vocab_size, B, S, device, warmup, steps)
     glue = "compiled glue (AttnRes, norms, gates, short convs)" if os.environ.get("K3_COMPILE", "1") != "0" else "eager"
     return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
                     f"fused AdamW, {glue}", "step_times_s": times, "median_step_s": statistics.median(times),
