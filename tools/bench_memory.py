@@ -66,6 +66,20 @@ def _timeit(fn, iters=10, warmup=3, repeats=5):
     return statistics.median(out)
 
 
+def _graph_timeit(fn, iters=10, repeats=5):
+    """Median device seconds per call of ``fn`` replayed as one CUDA graph (no host/launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _timeit(graph.replay, iters=iters, warmup=2, repeats=repeats)
+
+
 def saved_bytes(fn, *inputs, exclude=()):
     """Bytes of distinct storages autograd saves for backward during ``fn(*inputs)``; parameters (and views
     of the tensors in ``exclude``, e.g. a transposed weight) are not activations and not counted."""
@@ -134,10 +148,12 @@ def bench_op(args, device):
             "naive_grad": float((x0.grad.double() - xd.grad).abs().max() / xd.grad.abs().max())}
         del x0, x1, y0, y1, xd, yd
 
-        def run(fn):
+        def run(fn, leaf=None):
+            leaf = x if leaf is None else leaf
+
             def f():
-                x.grad = None
-                fn(x).backward(dy)
+                leaf.grad = None
+                fn(leaf).backward(dy)
             return f
 
         iters = args.op_iters if cuda else 2
@@ -147,19 +163,31 @@ def bench_op(args, device):
             rec["fwd_bwd_s"]["naive_compiled"] = _timeit(run(naive_c), iters=iters, repeats=5 if cuda else 2,
                                                          warmup=3)
             rec["stream_vs_compiled"] = rec["fwd_bwd_s"]["stream"] / rec["fwd_bwd_s"]["naive_compiled"]
-            if cuda:  # the op with inductor's kernels for its formulas (K3_SITU_IMPL=compiled), same saved bytes
-                os.environ["K3_SITU_IMPL"] = "compiled"
+        if cuda:
+            # The same fwd+bwd replayed as a CUDA graph: device time only. Small shapes above are bound by the
+            # host (autograd + launches, ~0.35 ms per fwd+bwd for every variant), which hides the kernels.
+            variants = {"naive_eager": situ_glu, "stream": situ_glu_stream}
+            if naive_c is not None:
+                variants["naive_compiled"] = naive_c
+            rec["fwd_bwd_graph_s"], rec["graph_errors"] = {}, {}
+            for key, fn in variants.items():
                 try:
-                    rec["fwd_bwd_s"]["stream_compiled_formulas"] = _timeit(
-                        run(situ_glu_stream), iters=iters, repeats=5, warmup=3)
-                    rec["stream_compiled_formulas_vs_compiled"] = (rec["fwd_bwd_s"]["stream_compiled_formulas"]
-                                                                   / rec["fwd_bwd_s"]["naive_compiled"])
-                finally:
-                    os.environ.pop("K3_SITU_IMPL", None)
+                    # a fresh leaf: x's AccumulateGrad node, kept alive from the runs above, sits on the
+                    # default stream and would invalidate the capture (measured on the first shape)
+                    leaf = x.detach().clone().requires_grad_()
+                    rec["fwd_bwd_graph_s"][key] = _graph_timeit(run(fn, leaf), iters=iters)
+                    del leaf
+                except Exception as e:  # noqa: BLE001 - record why one variant failed, keep the others
+                    rec["graph_errors"][key] = f"{type(e).__name__}: {str(e)[:300]}"
+            gt = rec["fwd_bwd_graph_s"]
+            if "stream" in gt and "naive_compiled" in gt:
+                rec["graph_stream_vs_compiled"] = gt["stream"] / gt["naive_compiled"]
         rec["stream_vs_eager"] = rec["fwd_bwd_s"]["stream"] / rec["fwd_bwd_s"]["naive_eager"]
         if cuda:  # bytes moved by the op (fwd: read x, write y; bwd: read x + dy, write dx)
             moved = 2 * (r * w + r * w // 2) + 2 * (r * w + r * w // 2 + r * w)
             rec["stream_effective_GBps"] = moved / rec["fwd_bwd_s"]["stream"] / 1e9
+            if "stream" in rec["fwd_bwd_graph_s"]:
+                rec["stream_graph_effective_GBps"] = moved / rec["fwd_bwd_graph_s"]["stream"] / 1e9
         x.grad = None
         del x, dy
         gc.collect()

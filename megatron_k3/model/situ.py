@@ -22,10 +22,9 @@ and recomputes tanh/sigmoid in backward. With t = tanh(g / beta), s = sigmoid(g)
                du    = dh * (beta t s) * (1 - t_u^2)
 
 Everything is element-wise, so the work is chunked along the token (row) axis and exact: on CUDA a Triton
-kernel (``situ_triton.py``; fp32 math in registers, one pass over the bf16 input and the output), or with
-``K3_SITU_IMPL=compiled`` the same formulas compiled by inductor (forward: the reference ``situ_glu``,
-backward: ``situ_bwd_math``; still saving only the input); elsewhere
-(CPU, fp64) a PyTorch loop over row chunks through a constant-size fp32 workspace (``STREAM_CHUNK_ELEMS``
+kernel (``situ_triton.py``; fp32 math in registers, one pass over the bf16 input and the output;
+inductor compiling these same formulas was measured 2x slower on the H200, so there is no such variant);
+elsewhere (CPU, fp64) a PyTorch loop over row chunks through a constant-size fp32 workspace (``STREAM_CHUNK_ELEMS``
 elements per buffer; 3 buffers forward, 5 backward), whatever R is. Inputs may be the two halves of one
 [.., 2H] tensor (megatron's expert fc1 output) or two separate tensors (the dense/shared MLP's gate_proj
 and up_proj outputs); the op works under activation recompute (``torch.utils.checkpoint``) like any
@@ -33,13 +32,10 @@ autograd function. It is not twice differentiable (the reference is).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .common import compile_enabled, compiled
 
 # fp32 elements per workspace buffer of the chunked PyTorch path (1 MiB in fp32): rows per chunk = this // H
 STREAM_CHUNK_ELEMS = 1 << 18
@@ -150,25 +146,6 @@ def situ_backward_chunked(g, u, dy, dg, du, beta, linear_beta, chunk_elems: int 
     return dg, du
 
 
-def situ_bwd_math(x, dy, beta: float, linear_beta: float):
-    """Backward formulas (module docstring) -> dx = [dg ; du], fp32 inside, cast back (compiled on CUDA)."""
-    g, u = torch.chunk(x, 2, dim=-1)
-    ct = _compute_dtype(x.dtype)
-    g, u, d = g.to(ct), u.to(ct), dy.to(ct)
-    s = torch.sigmoid(g)
-    t = torch.tanh(g / beta)
-    tu = torch.tanh(u / linear_beta)
-    dact = s * ((1 - t * t) + beta * t * (1 - s))
-    dg = d * dact * (linear_beta * tu)
-    du = d * (beta * t * s) * (1 - tu * tu)
-    return torch.cat([dg, du], dim=-1).to(x.dtype)
-
-
-def _use_compiled(x: torch.Tensor) -> bool:
-    # called inside the autograd Function, where grad mode is always off: do not require it
-    return os.environ.get("K3_SITU_IMPL", "triton") == "compiled" and compile_enabled(x, grad_only=False)
-
-
 def _fwd(g2, u2, out2, beta, linear_beta):
     if _use_triton(g2):
         from .situ_triton import situ_fwd
@@ -207,8 +184,6 @@ class SiTUGLUFunction(torch.autograd.Function):
         H = x.shape[-1] // 2
         ctx.save_for_backward(x)
         ctx.beta, ctx.linear_beta = beta, linear_beta
-        if _use_compiled(x):
-            return compiled(situ_glu)(x, beta, linear_beta)
         x2 = _rows(x)
         out = torch.empty(x.shape[:-1] + (H,), dtype=x.dtype, device=x.device)
         _fwd(x2[:, :H], x2[:, H:], out.view(-1, H), beta, linear_beta)
@@ -219,8 +194,6 @@ class SiTUGLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         H = x.shape[-1] // 2
-        if _use_compiled(x):
-            return compiled(situ_bwd_math)(x, dy.to(x.dtype), ctx.beta, ctx.linear_beta), None, None
         x2 = _rows(x)
         dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         _bwd(x2[:, :H], x2[:, H:], _rows(dy.to(x.dtype)), dx[:, :H], dx[:, H:], ctx.beta, ctx.linear_beta)

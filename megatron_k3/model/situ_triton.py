@@ -2,8 +2,9 @@ r"""Triton kernels of the streaming SiTU-GLU op (imported by ``situ.py`` only fo
 
 Same equations as ``situ.py``; each program loads a [BLOCK_R, BLOCK_H] tile of g and u (bf16/fp16/fp32,
 any row stride, unit column stride: the two halves of one [R, 2H] tensor or two separate tensors),
-computes in fp32 registers and stores the output tile (forward) or the dg/du tiles (backward), so the op
-reads its saved input once per pass and needs no workspace in device memory at all. tanh is libdevice's
+computes in fp32 registers (g / beta as g * (1 / beta): a multiply, not an IEEE division) and stores the
+output tile (forward) or the dg/du tiles (backward), so the op reads its saved input once per pass and needs
+no workspace in device memory at all. tanh is libdevice's
 (accurate to ~1 ulp), sigmoid Triton's ``tl.sigmoid``. Offsets are int64 (R x 2H may exceed 2^31).
 
 The kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors (how the CPU test checks their indexing,
@@ -37,20 +38,21 @@ else:
 
 
 @triton.jit
-def _situ_fwd_kernel(g_ptr, u_ptr, o_ptr, R, H, sg, su, so, beta, lbeta,
+def _situ_fwd_kernel(g_ptr, u_ptr, o_ptr, R, H, sg, su, so, beta, lbeta, inv_beta, inv_lbeta,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < R) & (cols[None, :] < H)
     g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    act = beta * _tanh(g / beta) * tl.sigmoid(g)
-    lin = lbeta * _tanh(u / lbeta)
+    act = beta * _tanh(g * inv_beta) * tl.sigmoid(g)
+    lin = lbeta * _tanh(u * inv_lbeta)
     tl.store(o_ptr + rows[:, None] * so + cols[None, :], (act * lin).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _situ_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, R, H, sg, su, sdy, sdg, sdu, beta, lbeta,
+def _situ_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, R, H, sg, su, sdy, sdg, sdu, beta, lbeta, inv_beta,
+                     inv_lbeta,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -59,8 +61,8 @@ def _situ_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, R, H, sg, su, sdy, sd
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
-    t = _tanh(g / beta)
-    tu = _tanh(u / lbeta)
+    t = _tanh(g * inv_beta)
+    tu = _tanh(u * inv_lbeta)
     dact = s * ((1.0 - t * t) + beta * t * (1.0 - s))
     dg = dy * dact * (lbeta * tu)
     du = dy * (beta * t * s) * (1.0 - tu * tu)
@@ -88,7 +90,8 @@ def situ_fwd(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor, beta: float, l
     br, bh, grid = _tiles(R, H)
     with _on(g):
         _situ_fwd_kernel[grid](g, u, out, R, H, g.stride(0), u.stride(0), out.stride(0), float(beta),
-                               float(linear_beta), BLOCK_R=br, BLOCK_H=bh, num_warps=4)
+                               float(linear_beta), 1.0 / beta, 1.0 / linear_beta, BLOCK_R=br, BLOCK_H=bh,
+                               num_warps=4)
     return out
 
 
@@ -101,8 +104,8 @@ def situ_bwd(g, u, dy, dg, du, beta: float, linear_beta: float):
     br, bh, grid = _tiles(R, H)
     with _on(g):
         _situ_bwd_kernel[grid](g, u, dy, dg, du, R, H, g.stride(0), u.stride(0), dy.stride(0), dg.stride(0),
-                               du.stride(0), float(beta), float(linear_beta), BLOCK_R=br, BLOCK_H=bh,
-                               num_warps=4)
+                               du.stride(0), float(beta), float(linear_beta), 1.0 / beta, 1.0 / linear_beta,
+                               BLOCK_R=br, BLOCK_H=bh, num_warps=4)
     return dg, du
 
 
