@@ -70,6 +70,10 @@ def build_parser():
     a("--adam-eps", type=float, default=1e-8)
     a("--clip-grad", type=float, default=1.0)
     a("--bf16", action="store_true")
+    a("--fp8-recipe", choices=["delayed", "tensorwise", "blockwise", "mxfp8"], default=None,
+      help="FP8 through Transformer Engine (megatron_k3/precision.py): blockwise on Hopper, mxfp8 on Blackwell "
+           "(refused on older GPUs); needs --bf16")
+    a("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="FP8 format (default e4m3 when FP8 is on)")
     # model extras
     a("--mtp-num-layers", type=int, default=None, help="MTP depth (default: the model config's)")
     a("--mtp-loss-scaling-factor", type=float, default=0.1)
@@ -252,6 +256,11 @@ def main(argv=None):
         raise UsageError(f"--save {args.save} exists and is not a directory")
     if args.load and not os.path.exists(args.load) and os.path.abspath(args.load) != os.path.abspath(args.save or ""):
         raise UsageError(f"--load {args.load}: no such directory (only --load equal to --save may not exist yet)")
+    if (args.fp8_recipe or args.fp8_format) and not args.bf16:
+        raise UsageError("--fp8-recipe/--fp8-format train the FP8 GEMMs of a bf16 model: add --bf16")
+    from .precision import check_fp8_here
+
+    check_fp8_here(args.fp8_recipe, args.fp8_format, args.recompute_granularity)
     if args.optimizer == "muon" and args.optimizer_offload != "none":
         raise UsageError("--optimizer-offload host-stream streams AdamW only; use --optimizer adam")
     if args.optimizer == "muon" and args.use_distributed_optimizer:
@@ -383,8 +392,11 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     device = init_distributed(layout, seed=args.seed)
     rank = dist.get_rank()
+    from .precision import resolve as fp8_fields
+
     chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
                                          recompute=args.recompute_granularity,
+                                         **fp8_fields(args.fp8_recipe, args.fp8_format),
                                          moe_router_bias_update_rate=(args.moe_router_bias_update_rate
                                                                       if args.moe_router_load_balancing_type == "sign"
                                                                       else 0.0))

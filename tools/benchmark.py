@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--profile", default=None, help="also profile one extra step; write the top ops table here")
     ap.add_argument("--baselines", default="seed,gptmodel",
                     help="comma list of same-run baselines: seed, gptmodel, or none")
+    ap.add_argument("--fp8-recipe", default=None, choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
+                    help="the K3 model's projections in FP8 (megatron_k3/precision.py); baselines stay bf16")
     ap.add_argument("--no-te", action="store_true",
                     help="hide Transformer Engine and apex (megatron then uses its torch fallbacks)")
     args = ap.parse_args()
@@ -76,13 +78,16 @@ def main():
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.model_info import model_info
 
+    from megatron_k3.precision import check_fp8_here, resolve
+
+    check_fp8_here(args.fp8_recipe, None, args.recompute_granularity)
     cfg = get_preset(args.preset, seq_length=args.seq_length)
     layout = ParallelLayout()
     device = init_distributed(layout, seed=0)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     t0 = time.time()
     chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
-                                         recompute=args.recompute_granularity)
+                                         recompute=args.recompute_granularity, **resolve(args.fp8_recipe, None))
     adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
     build_s = time.time() - t0
     ddp = wrap_ddp(chunks, tconfig)
@@ -142,7 +147,7 @@ def main():
         "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]),
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
         "micro_batch_size": B, "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
-        "recompute": args.recompute_granularity, "build_and_init_s": build_s,
+        "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": build_s,
         "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3_peak, "breakdown": breakdown, "baselines": baselines,
@@ -182,7 +187,8 @@ def time_steps(step, vocab: int, B: int, S: int, device, warmup: int, steps: int
 
 
 def megatron_step(ddp, opt, forward_step, B: int, S: int):
-    """One training step of a DDP-wrapped megatron model (one micro-batch) through megatron's schedule."""
+    """One training step of a DDP-wrapped megatron model (one micro-batch) through megatron's schedule; returns
+    the schedule's loss dicts (``lm_sum``, ``n``, ...)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
@@ -190,9 +196,10 @@ def megatron_step(ddp, opt, forward_step, B: int, S: int):
     def step(tokens, labels):
         ddp[0].zero_grad_buffer()
         opt.zero_grad()
-        fb(forward_step_func=forward_step, data_iterator=iter([{"tokens": tokens, "labels": labels}]), model=ddp[0],
-           num_microbatches=1, seq_length=S, micro_batch_size=B, forward_only=False)
+        out = fb(forward_step_func=forward_step, data_iterator=iter([{"tokens": tokens, "labels": labels}]),
+                 model=ddp[0], num_microbatches=1, seq_length=S, micro_batch_size=B, forward_only=False)
         opt.step()
+        return out  # megatron's per-micro-batch loss dicts
 
     return step
 

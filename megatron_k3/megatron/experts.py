@@ -39,8 +39,8 @@ class GroupedExperts(SequentialMLP):
         experts = self.local_experts
         fc1 = [e.linear_fc1.weight for e in experts]
         fc2 = [e.linear_fc2.weight for e in experts]
-        if (self.config.moe_apply_probs_on_input or self.config.fp8 or getattr(self.config, "fp4", None)
-                or experts[0].linear_fc1.bias is not None
+        # under FP8 the experts stay bf16 grouped GEMMs (megatron_k3/precision.py)
+        if (self.config.moe_apply_probs_on_input or experts[0].linear_fc1.bias is not None
                 or not grouped_ok(x, (fc1[0].shape[1], fc1[0].shape[0], fc2[0].shape[1], fc2[0].shape[0]))):
             return super().forward(x, tokens_per_expert, permuted_probs)
         if not torch.is_tensor(tokens_per_expert):

@@ -28,6 +28,7 @@ from ..model.attn_res import ResProj, attn_res_mix
 from ..model.common import Linear, RMSNorm
 from ..model.k3 import IGNORE_INDEX
 from ..model.mtp import MTPModule
+from ..precision import layer_context
 from .comm import ParallelCtx, tp_enter, tp_exit
 from .layers import ParallelK3Layer, mark_replicated, mark_tp
 
@@ -128,6 +129,11 @@ class K3MegatronModel(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
+    def _run_layer(self, layer, h, blocks):
+        """One decoder layer inside its FP8 autocast when FP8 is on (re-entered when recomputed)."""
+        with layer_context(self.config, layer.layer_idx):
+            return layer(h, blocks)
+
     def forward(self, input_ids=None, labels=None, mtp_input_ids=None, mtp_labels=None, ce_chunk_tokens=4096):
         """First stage: ``input_ids`` [B, S_cp]. Last stage: ``labels`` [B, S_cp] (IGNORE_INDEX = skip) gives
         ``(loss_sum, {"lm": sum, "mtp": [sums]})`` with sums over tokens (the schedule divides by the global
@@ -145,9 +151,9 @@ class K3MegatronModel(MegatronModule):
             h, blocks = parts[-1], (parts[:-1] if self.attn_res else None)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                h, blocks = checkpoint(layer, h, blocks, use_reentrant=False)
+                h, blocks = checkpoint(self._run_layer, layer, h, blocks, use_reentrant=False)
             else:
-                h, blocks = layer(h, blocks)
+                h, blocks = self._run_layer(layer, h, blocks)
         if not self.post_process:
             return torch.cat(list(blocks) + [h], dim=-1) if self.attn_res else h
         if self.attn_res:

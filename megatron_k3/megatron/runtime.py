@@ -69,6 +69,11 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
         m = K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp, recompute=recompute)
         chunks.append(m.to(device=device or "cpu", dtype=params_dtype))
     keep_fp32(chunks)
+    if tconfig.fp8:  # FP8: the eligible projections run through Transformer Engine (megatron_k3/precision.py)
+        from ..precision import use_te_linears
+
+        for m in chunks:
+            use_te_linears(m)
     return chunks, tconfig
 
 

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""FP8 vs bf16 on the same model, data and initial weights, in one process (JSON).
+
+    python tools/bench_fp8.py --recipes bf16,blockwise,tensorwise,delayed --steps 200 --out R.json   # GPU
+    python tools/bench_fp8.py --smoke      # CPU: k3-tiny, bf16 (fp32 on CPU) + the FP8 refusal messages
+
+For each recipe it builds the megatron K3 model (``--fp8-recipe`` path of the trainer: ``megatron_k3/
+precision.py``), loads the same golden initial weights, and trains ``--steps`` AdamW steps on the same
+windows of the embedded corpus (``data/``; its 512-token BPE, so the vocabulary is 512), one micro-batch per
+step. It reports per recipe the median step time after ``--warmup`` steps, tokens/s, the loss curve, the
+mean loss over the last 20 steps, and against bf16: ``speedup_vs_bf16`` and ``final_loss_rel_diff_vs_bf16``.
+A recipe the machine cannot run is recorded with the trainer's error message. The default model
+(``FP8_MODEL``) is K3 at hidden 4096: 8 layers (KDA and MLA), 32 heads, 16 latent experts top-4, ~1.2B
+parameters, which fits one GPU with AdamW.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+# K3 at hidden 4096 on top of k3-tiny (whose 512-token tokenizer ships with the embedded corpus)
+FP8_MODEL = dict(hidden_size=4096, num_hidden_layers=8, kda_num_heads=32, kda_head_dim=128, kda_chunk_size=64,
+                 num_attention_heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                 qk_rope_head_dim=64, v_head_dim=128, intermediate_size=11264, num_experts=16,
+                 num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=1024,
+                 routed_expert_hidden_size=1024, attn_res_block_size=4)
+
+
+def windows(store: str, n: int, B: int, S: int, seed: int = 0):
+    """``n`` batches (tokens, labels) [B, S] of random windows of the token store (the same for every recipe)."""
+    from megatron_k3.data.store import open_store
+
+    tokens, _, manifest = open_store(store)
+    toks = np.asarray(tokens[:]).astype(np.int64)
+    starts = np.random.default_rng(seed).integers(0, len(toks) - S - 1, size=(n, B))
+    out = []
+    for row in starts:
+        w = torch.from_numpy(np.stack([toks[s:s + S + 1] for s in row]))
+        out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
+    return out
+
+
+def run_recipe(recipe, cfg, batches, device, dtype, warmup, lr):
+    from benchmark import megatron_step
+
+    from megatron_k3.layout import ParallelLayout
+    from megatron_k3.megatron import adapter
+    from megatron_k3.megatron.runtime import build_model_chunks, build_optimizer, finalize_k3_grads, make_forward_step
+    from megatron_k3.megatron.runtime import wrap_ddp
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.precision import check_fp8_here, resolve
+
+    fp8 = None if recipe == "bf16" else recipe
+    check_fp8_here(fp8, None)
+    chunks, tconfig = build_model_chunks(cfg, ParallelLayout(), params_dtype=dtype, device=device,
+                                         **resolve(fp8, None))
+    adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
+    n_te = sum(type(m).__name__ == "TELinear" for m in chunks[0].modules())
+    ddp = wrap_ddp(chunks, tconfig)
+    tconfig.finalize_model_grads_func = finalize_k3_grads
+    tconfig.no_sync_func = ddp[0].no_sync
+    opt = build_optimizer(ddp, lr=lr, bf16=dtype == torch.bfloat16)
+    B, S = batches[0][0].shape
+    step = megatron_step(ddp, opt, make_forward_step(), B, S)
+    cuda = device.type == "cuda"
+    times, losses = [], []
+    for i, (tok, lab) in enumerate(batches):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = step(tok.to(device), lab.to(device))
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        rec = out[0]
+        losses.append(float(rec["lm_sum"]) / float(rec["n"]))
+    if not all(np.isfinite(losses)):
+        raise FloatingPointError(f"non-finite loss with {recipe}")
+    med = statistics.median(times)
+    res = {"median_step_s": med, "tokens_per_s": B * S / med, "te_linear_modules": n_te,
+           "final_loss_mean_last20": float(np.mean(losses[-20:])), "loss_every_10": losses[::10],
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+    del step, opt, ddp, chunks
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipes", default="bf16,blockwise,tensorwise,delayed")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (they still train)")
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--smoke", action="store_true", help="CPU: k3-tiny, 6 steps, fp32")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29679"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    from megatron.core import parallel_state as ps
+
+    from megatron_k3.config import get_preset
+    from megatron_k3.layout import ParallelLayout
+    from megatron_k3.megatron.runtime import init_distributed
+    from megatron_k3.pretrain import default_data, ensure_default_store
+    from megatron_k3.precision import te_version
+
+    if args.smoke:
+        args.steps, args.warmup, args.micro_batch_size, args.seq_length = 6, 2, 2, 128
+        cfg = get_preset("k3-tiny", seq_length=args.seq_length)
+    else:
+        cfg = get_preset("k3-tiny", seq_length=args.seq_length, **FP8_MODEL)
+    store, tok = default_data(cfg)
+    ensure_default_store(store, tok)
+    batches = windows(store, args.steps, args.micro_batch_size, args.seq_length)
+    device = init_distributed(ParallelLayout(), seed=0)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    from megatron_k3.model_info import model_info
+
+    rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+           "command": " ".join(["python", "tools/bench_fp8.py"] + sys.argv[1:]),
+           "transformer_engine": te_version(), "dtype": str(dtype).replace("torch.", ""),
+           "model": cfg.to_dict(), "params_total": model_info(cfg)["total_params"],
+           "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length, "steps": args.steps,
+           "data": "embedded corpus (data/corpus), random windows, seed 0, the same for every recipe",
+           "recipes": {}}
+    for recipe in args.recipes.split(","):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            rep["recipes"][recipe] = run_recipe(recipe, cfg, batches, device, dtype, args.warmup, args.lr)
+        except Exception as e:  # noqa: BLE001 - record (e.g. the refusal of a recipe this GPU cannot run)
+            rep["recipes"][recipe] = {"error": f"{type(e).__name__}: {e}"[:600]}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rep, f, indent=1)
+    base = rep["recipes"].get("bf16", {})
+    for name, r in rep["recipes"].items():
+        if name != "bf16" and "median_step_s" in r and "median_step_s" in base:
+            r["speedup_vs_bf16"] = base["median_step_s"] / r["median_step_s"]
+            r["final_loss_rel_diff_vs_bf16"] = (r["final_loss_mean_last20"] / base["final_loss_mean_last20"]) - 1
+    txt = json.dumps(rep, indent=1)
+    print(txt)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(txt + "\n")
+    ps.destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main()
