@@ -7,9 +7,9 @@ K3_GPU_MEM_GIB=268
 K3_DEFAULT_PRESET=k3-mini
 K3_DEFAULT_SAVE_INTERVAL=1000
 K3_DEFAULT_CKPT_WRITER=odirect
-# FP8 on Blackwell: MXFP8 (Transformer Engine). The trainer has no --fp8-recipe flag yet: leave empty
-# until it does (pretrain_k3.sh passes --fp8-recipe only when this is set).
-K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # later: mxfp8
+# FP8 on Blackwell: MXFP8 (Transformer Engine); empty = bf16 (pretrain_k3.sh passes --fp8-recipe only
+# when this is set). Not yet run on a Blackwell GPU.
+K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # mxfp8 to enable
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
 # Layout flags for (preset, nodes), from tools/plan_layout.py --gpu b300:
