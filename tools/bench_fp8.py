@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +49,7 @@ def windows(store: str, n: int, B: int, S: int, seed: int = 0):
 
 
 def run_recipe(recipe, cfg, batches, device, dtype, warmup, lr):
-    from benchmark import megatron_step
+    from benchmark import megatron_step, time_steps
 
     from megatron_k3.layout import ParallelLayout
     from megatron_k3.megatron import adapter
@@ -72,18 +71,8 @@ def run_recipe(recipe, cfg, batches, device, dtype, warmup, lr):
     B, S = batches[0][0].shape
     step = megatron_step(ddp, opt, make_forward_step(), B, S)
     cuda = device.type == "cuda"
-    times, losses = [], []
-    for i, (tok, lab) in enumerate(batches):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = step(tok.to(device), lab.to(device))
-        if cuda:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        rec = out[0]
-        losses.append(float(rec["lm_sum"]) / float(rec["n"]))
+    times, outs, _ = time_steps(step, batches, device, warmup)
+    losses = [float(o[0]["lm_sum"]) / float(o[0]["n"]) for o in outs]
     if not all(np.isfinite(losses)):
         raise FloatingPointError(f"non-finite loss with {recipe}")
     med = statistics.median(times)
@@ -107,6 +96,7 @@ def main():
     args = ap.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29679"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
+    from benchmark import write_report
     from megatron.core import parallel_state as ps
 
     from megatron_k3.config import get_preset
@@ -152,11 +142,7 @@ def main():
         if name != "bf16" and "median_step_s" in r and "median_step_s" in base:
             r["speedup_vs_bf16"] = base["median_step_s"] / r["median_step_s"]
             r["final_loss_rel_diff_vs_bf16"] = (r["final_loss_mean_last20"] / base["final_loss_mean_last20"]) - 1
-    txt = json.dumps(rep, indent=1)
-    print(txt)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(txt + "\n")
+    write_report(rep, args.out)
     ps.destroy_model_parallel()
 
 

@@ -97,7 +97,8 @@ def main():
     B, S = args.micro_batch_size, args.seq_length
     cuda = device.type == "cuda"
     train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
-    times, batch = time_steps(train_step, cfg.vocab_size, B, S, device, args.warmup, args.steps)
+    times, _, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps), device,
+                                 args.warmup)
     breakdown = None
     if args.profile or cuda:  # one extra, profiled step: where the device time goes
         from torch.profiler import ProfilerActivity, profile
@@ -158,32 +159,45 @@ def main():
             b["tokens_per_s"] = B * S / b["median_step_s"]
             b["mfu_vs_989_tflops"] = b["tokens_per_s"] * fpt / H200_BF16_DENSE if cuda else None
             rep[f"speedup_vs_{name}"] = b["median_step_s"] / med
-    txt = json.dumps(rep, indent=1)
-    print(txt)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(txt + "\n")
+    write_report(rep, args.out)
     ps.destroy_model_parallel()
 
 
-def time_steps(step, vocab: int, B: int, S: int, device, warmup: int, steps: int):
-    """Seconds per ``step(tokens, labels)`` after ``warmup`` steps, synchronised around each step, on random
-    batches that are the same in every run (seed 0). Returns (times, the last batch)."""
-    cuda = device.type == "cuda"
+def random_batches(vocab: int, B: int, S: int, n: int):
+    """``n`` random (tokens, labels) batches [B, S] on the CPU, the same in every run (seed 0)."""
     g = torch.Generator().manual_seed(0)
-    times = []
-    for i in range(warmup + steps):
+    out = []
+    for _ in range(n):
         t = torch.randint(0, vocab, (B, S + 1), generator=g)
-        batch = (t[:, :-1].to(device), t[:, 1:].to(device))
+        out.append((t[:, :-1], t[:, 1:]))
+    return out
+
+
+def time_steps(step, batches, device, warmup: int):
+    """Seconds per ``step(tokens, labels)`` over ``batches`` (CPU tensors, moved to ``device``), synchronised
+    around each step, leaving out the first ``warmup``. Returns (times, the steps' outputs, the last batch)."""
+    cuda = device.type == "cuda"
+    times, outs = [], []
+    for i, (tok, lab) in enumerate(batches):
+        batch = (tok.to(device), lab.to(device))
         if cuda:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        step(*batch)
+        outs.append(step(*batch))
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t1)
-    return times, batch
+    return times, outs, batch
+
+
+def write_report(rep: dict, out: str | None):
+    """Print the report as JSON and write it to ``out`` when given."""
+    txt = json.dumps(rep, indent=1)
+    print(txt)
+    if out:
+        with open(out, "w") as f:
+            f.write(txt + "\n")
 
 
 def megatron_step(ddp, opt, forward_step, B: int, S: int):
@@ -321,7 +335,8 @@ def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
         out = m(b["tokens"], pos, None, labels=b["labels"])
         return out, lambda o: (o.float().mean(), {})
 
-    times, _ = time_steps(megatron_step(ddp, opt, fwd, B, S), cfg.vocab_size, B, S, device, warmup, steps)
+    times, _, _ = time_steps(megatron_step(ddp, opt, fwd, B, S), random_batches(cfg.vocab_size, B, S, warmup + steps),
+                             device, warmup)
     return {"what": f"megatron-core GPTModel, {'TE spec, grouped-GEMM experts, latent MoE' if te else 'local spec (no TE)'}"
                     f", MLA (RoPE) + SwiGLU, same width/depth/heads/experts/vocab, same DDP + optimizer",
             "transformer_engine": te, "fusions": GPTMODEL_FUSIONS if (te and cuda and fusions) else None,
@@ -380,7 +395,7 @@ def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, _ = time_steps(step, cfg.vocab_size, B, S, device, warmup, steps)
+    times, _, _ = time_steps(step, random_batches(cfg.vocab_size, B, S, warmup + steps), device, warmup)
     glue = "compiled glue (AttnRes, norms, gates, short convs)" if os.environ.get("K3_COMPILE", "1") != "0" else "eager"
     return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
                     f"fused AdamW, {glue}", "step_times_s": times, "median_step_s": statistics.median(times),
