@@ -345,8 +345,9 @@ def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
-def kernel_breakdown(prof) -> dict:
-    """Self device time of one profiled step, grouped by what the kernels do (names matched in order)."""
+def kernel_breakdown(prof, top_n: int = 6) -> dict:
+    """Self device time of one profiled step, grouped by what the kernels do (names matched in order), with
+    the ``top_n`` kernels of each kind (time and launch count) and the step's number of kernel launches."""
     import re
 
     groups = [("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
@@ -359,7 +360,7 @@ def kernel_breakdown(prof) -> dict:
               ("elementwise", r"elementwise|vectorized|unrolled|triton_")]
     out = {k: 0.0 for k, _ in groups}
     out["other"] = 0.0
-    top_other = {}
+    kernels = {k: [] for k in out}  # kind -> [(seconds, calls, name)]
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None)
         if t is None:
@@ -367,16 +368,14 @@ def kernel_breakdown(prof) -> dict:
         if not t or e.device_type.name != "CUDA":
             continue
         name = e.key.lower()
-        for k, rx in groups:
-            if re.search(rx, name):
-                out[k] += t / 1e6
-                break
-        else:
-            out["other"] += t / 1e6
-            top_other[e.key[:80]] = t / 1e6
+        kind = next((k for k, rx in groups if re.search(rx, name)), "other")
+        out[kind] += t / 1e6
+        kernels[kind].append((t / 1e6, e.count, e.key[:90]))
     total = sum(out.values())
+    top = {k: [{"s": round(t, 5), "calls": c, "kernel": n} for t, c, n in sorted(v, reverse=True)[:top_n]]
+           for k, v in kernels.items() if v}
     return {"device_busy_s": total, "by_kind_s": {k: round(v, 5) for k, v in out.items()},
-            "top_other": dict(sorted(top_other.items(), key=lambda kv: -kv[1])[:8])}
+            "kernel_launches": sum(c for v in kernels.values() for _, c, _ in v), "top_by_kind": top}
 
 
 def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
