@@ -123,7 +123,8 @@ def test_grouped_linear_gradients_and_saved_bytes():
 
 def test_local_dispatcher_skips_sync_and_equals_megatron(root):
     """EP x TP = 1: no device-to-host copy/sync and no identity sort per MoE layer, bit-identical loss and
-    gradients to megatron's stock all-to-all dispatcher (tests/helpers/dispatch_check.py)."""
+    gradients to megatron's stock all-to-all dispatcher; and through megatron's DDP the grouped experts'
+    fused weight-gradient accumulation equals DDP's per-parameter hooks (tests/helpers/dispatch_check.py)."""
     import os
     import subprocess
     import sys
@@ -131,4 +132,5 @@ def test_local_dispatcher_skips_sync_and_equals_megatron(root):
     env = dict(os.environ, PYTHONPATH=root)
     r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "dispatch_check.py"), "29733"],
                        env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "dispatch check OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "dispatch check OK" in r.stdout and "wgrad fusion check OK" in r.stdout, \
+        r.stdout[-2000:] + r.stderr[-3000:]

@@ -11,9 +11,11 @@ For the tokens already permuted by the dispatcher into expert order, with ``n_e`
 ``torch._grouped_mm`` runs the E GEMMs as one kernel (CUTLASS on Hopper) and takes the group boundaries
 from a device tensor, so neither a Python loop of 3 x E GEMMs nor ``tokens_per_expert.tolist()`` (a
 host sync) is needed. The per-expert weights are stacked inside the op's forward and again in its
-backward (``megatron_k3.model.moe.grouped_linear``), so no stacked copy is kept for backward; each
-expert's parameter receives its own gradient, so DDP, the optimizers, the checkpoint adapter and Muon's
-per-matrix view are unchanged. Falls back to the loop when the grouped
+backward (``megatron_k3.model.moe.grouped_linear``), so no stacked copy is kept for backward; the
+parameters stay one per expert, so DDP, the optimizers, the checkpoint adapter and Muon's per-matrix view
+are unchanged. Under megatron's DDP (``runtime.wrap_ddp``) the E weight gradients of a projection are added
+to the experts' ``main_grad`` buffers by one kernel through a strided view (``stacked_main_grad``) instead of
+E gradients and E adds by DDP's hooks. Falls back to the loop when the grouped
 kernel cannot be used (dtype other than fp32/bf16/fp16, or a row stride that is not a multiple of 16 bytes).
 """
 from __future__ import annotations

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model.attn_res import ResProj, attn_res_mix
-from ..model.common import Linear, RMSNorm
-from ..model.k3 import IGNORE_INDEX
+from ..model.common import Linear, RMSNorm, fast
+from ..model.k3 import IGNORE_INDEX, cross_entropy_sum
 from ..model.mtp import MTPModule
 from ..precision import layer_context
 from .comm import ParallelCtx, tp_enter, tp_exit
@@ -53,10 +53,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _ce_chunk(h, weight, target, tp: int):
-    logits = F.linear(h, weight).float()
-    if tp == 1:  # the whole vocabulary is local: torch's log-softmax CE (two passes over the logits, not ~8)
-        return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
-    logits = logits.unsqueeze(1)                                           # [N, 1, V/TP]
+    logits = F.linear(h, weight)
+    if tp == 1:  # the whole vocabulary is local: the golden model's CE (compiled on CUDA: no fp32 logits copy)
+        return fast(cross_entropy_sum, logits)(logits, target, IGNORE_INDEX)
+    logits = logits.float().unsqueeze(1)                                   # [N, 1, V/TP]
     valid = target != IGNORE_INDEX
     loss = vocab_parallel_cross_entropy(logits, target.masked_fill(~valid, 0).unsqueeze(1)).squeeze(1)
     return (loss * valid).sum()
@@ -65,7 +65,7 @@ def _ce_chunk(h, weight, target, tp: int):
 def vocab_parallel_chunked_ce(hidden, weight, targets, chunk_tokens: int = 4096):
     """Sum of CE over non-ignored tokens; hidden [S, B, D] (full over TP), weight [V/TP, D], targets [S, B].
     One chunk of [chunk, V/TP] logits is alive at a time (each recomputed in backward). Under TP megatron's
-    vocabulary-parallel CE; at TP 1 ``F.cross_entropy`` (the same sum)."""
+    vocabulary-parallel CE; at TP 1 the golden model's ``cross_entropy_sum`` (the same sum)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()

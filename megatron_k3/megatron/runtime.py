@@ -95,7 +95,16 @@ def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False):
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer)
-    return [DistributedDataParallel(tconfig, ddp_config, c, disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+    ddp = [DistributedDataParallel(tconfig, ddp_config, c, disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+    if not ddp_config.overlap_grad_reduce:  # DDP's hooks only add .grad to main_grad: the grouped experts
+        from .experts import GroupedExperts  # may add their weight gradients to main_grad themselves
+
+        for c in chunks:
+            for m in c.modules():
+                if isinstance(m, GroupedExperts):
+                    for p in m.parameters():
+                        p.k3_fuse_wgrad = True
+    return ddp
 
 
 def moe_routers(chunks):

@@ -43,11 +43,14 @@ def attn_res_mix_reference(prefix: torch.Tensor, blocks: list[torch.Tensor], que
     """The plain-PyTorch mix (equations in the module docstring)."""
     ct = acc_dtype(prefix)
     V = torch.stack(list(blocks) + [prefix], dim=0).to(ct)          # [N, ..., D]
-    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
     w = norm_weight.to(ct) * query.to(ct)                            # [D]
-    s = torch.einsum("n...d,d->n...", K, w)
+    # s = K . w with K = V rsqrt(mean(V^2) + eps): the per-row scale taken out of the dot product, and both
+    # contractions written as multiply + sum, which torch.compile fuses into reductions over D (as einsums
+    # inductor lowered them to fp32 bmm/gemv calls with N-long rows: ~60 ms of a k3-mini step on the H200,
+    # benchmarks/README.md; tools/bench_ops.py --parts attn_res times both forms)
+    s = torch.rsqrt(V.pow(2).mean(-1) + eps) * (V * w).sum(-1)       # [N, ...]
     p = torch.softmax(s, dim=0)
-    return torch.einsum("n...,n...d->...d", p, V).to(prefix.dtype)
+    return (p.unsqueeze(-1) * V).sum(0).to(prefix.dtype)
 
 
 class ResProj(nn.Module):

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attn_res import ResProj, attn_res_mix
-from .common import Linear, RMSNorm, normal_
+from .common import Linear, RMSNorm, acc_dtype, fast, normal_
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import MLP, LatentMoE
@@ -140,10 +140,16 @@ class K3Model(nn.Module):
         return h
 
 
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Sum of CE over the non-ignored targets, the log-softmax in fp32 (fp64 for fp64 logits). On CUDA
+    compiled (``fast``): the cast is fused into the row reductions and the backward writes the 16-bit logits'
+    gradient directly, so no fp32 [N, V] copy of the logits (or of their gradient) is written."""
+    return F.cross_entropy(logits.to(acc_dtype(logits)), targets, ignore_index=ignore_index, reduction="sum")
+
+
 def _ce_chunk(h, weight, targets, ignore_index):
     logits = F.linear(h, weight)
-    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    return fast(cross_entropy_sum, logits)(logits, targets, ignore_index)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -43,10 +43,38 @@ def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
+def stacked_main_grad(weights) -> tuple[torch.Tensor, bool] | None:
+    """The ``main_grad`` buffers of E weights [out, in] as one strided view [E, out, in] into their common
+    storage, and whether that view runs in reverse expert order; ``None`` unless every weight is marked
+    ``k3_fuse_wgrad`` (``megatron.runtime.wrap_ddp``) and the buffers are contiguous, of one shape and dtype,
+    evenly spaced in one storage and not overlapping. megatron's DDP lays the experts' gradients out that
+    way (one grad buffer, parameters in reverse order: expert e-1 one (fc1 + fc2) stride after expert e)."""
+    mgs = [getattr(w, "main_grad", None) if getattr(w, "k3_fuse_wgrad", False) else None for w in weights]
+    if not mgs or any(m is None for m in mgs):
+        return None
+    m0 = mgs[0]
+    if any(m.shape != m0.shape or m.dtype != m0.dtype or m.device != m0.device or not m.is_contiguous()
+           or m.untyped_storage().data_ptr() != m0.untyped_storage().data_ptr() for m in mgs):
+        return None
+    if len(mgs) == 1:
+        return m0.unsqueeze(0), False
+    step = mgs[1].storage_offset() - m0.storage_offset()
+    if abs(step) < m0.numel() or any(m.storage_offset() - m0.storage_offset() != e * step for e, m in enumerate(mgs)):
+        return None
+    base = m0 if step > 0 else mgs[-1]
+    return base.as_strided((len(mgs), *m0.shape), (abs(step), *m0.stride()), base.storage_offset()), step < 0
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of group e] = x[rows of group e] @ W_e^T for E weights [out, in]. The weights are stacked
     inside forward and again in backward, so the stacked copy is never kept for backward (saves E x out x in
-    elements per call, per micro-batch in flight). dW_e = dy_e^T x_e is one grouped GEMM over the token axis."""
+    elements per call, per micro-batch in flight). dW_e = dy_e^T x_e is one grouped GEMM over the token axis.
+
+    Weight-gradient accumulation fusion: when the weights' ``main_grad`` buffers (megatron DDP) form one
+    evenly spaced block (``stacked_main_grad``), the E gradients are added to them by one kernel and the
+    weights get no ``.grad`` (instead of E gradients, E ``AccumulateGrad`` nodes and E adds by DDP's hooks,
+    which only run for parameters that received a gradient; ``wrap_ddp`` marks the weights only when its
+    hooks have nothing else to do, i.e. without overlapped gradient reduction). Same values either way."""
 
     @staticmethod
     def forward(ctx, x, offs, *weights):
@@ -62,10 +90,15 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = grouped_mm(gy, torch.stack([t.to(x.dtype) for t in weights]), offs)
         if x.is_cuda:
-            gw = torch._grouped_mm(gy.t(), x, offs=offs).unbind(0)
+            gw = torch._grouped_mm(gy.t(), x, offs=offs)
         else:
-            gw = [gy[a:b].t() @ x[a:b] for a, b in _group_bounds(offs)]
-        return (gx, None, *[g.to(t.dtype) for g, t in zip(gw, weights)])
+            gw = torch.stack([gy[a:b].t() @ x[a:b] for a, b in _group_bounds(offs)])
+        fused = stacked_main_grad(weights)
+        if fused is not None:
+            view, reverse = fused
+            view.add_((gw.flip(0) if reverse else gw).to(weights[0].dtype))
+            return (gx, None, *[None] * len(weights))
+        return (gx, None, *[g.to(t.dtype) for g, t in zip(gw.unbind(0), weights)])
 
 
 def grouped_linear(x: torch.Tensor, weights, offs: torch.Tensor) -> torch.Tensor:

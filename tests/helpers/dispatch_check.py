@@ -1,6 +1,9 @@
 """Run by tests/test_moe.py in a child process: at EP x TP = 1 the K3 MoE layers use
 ``LocalAlltoAllDispatcher`` (no device-to-host copy or sync, no identity split/cat sort) and give bit-identical
-loss and gradients to megatron's stock all-to-all dispatcher, which does copy/sync/sort."""
+loss and gradients to megatron's stock all-to-all dispatcher, which does copy/sync/sort. Then, through
+megatron's DDP: the grouped experts' fused weight-gradient accumulation (one add into the stacked
+``main_grad`` view per projection, no ``.grad``) gives the same ``main_grad`` over two accumulated
+micro-batches as DDP's per-parameter hooks, and as the plain gradients."""
 import os
 import sys
 
@@ -38,7 +41,7 @@ td.sort_chunks_by_idxs = counting_sort
 
 cfg = get_preset("k3-tiny")
 device = init_distributed(ParallelLayout(), seed=0)
-chunks, _ = build_model_chunks(cfg, ParallelLayout(), device=device)
+chunks, tconfig = build_model_chunks(cfg, ParallelLayout(), device=device)
 model = chunks[0]
 adapter.load_hf_state_dict(model, K3ForCausalLM(cfg, seed=0).state_dict(), 0)
 dispatchers = [m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")]
@@ -66,3 +69,52 @@ assert local[1].keys() == stock[1].keys() and len(local[1]) > 0
 for n in local[1]:
     assert torch.equal(local[1][n], stock[1][n]), n
 print("dispatch check OK", float(local[0]), len(dispatchers), "MoE layers", stock_calls)
+
+# ---- weight-gradient accumulation fusion of the grouped experts, through megatron's DDP
+from megatron_k3.megatron.experts import GroupedExperts  # noqa: E402
+from megatron_k3.megatron.runtime import wrap_ddp  # noqa: E402
+from megatron_k3.model.moe import stacked_main_grad  # noqa: E402
+
+for d in dispatchers:
+    d.__class__ = LocalAlltoAllDispatcher
+model.zero_grad(set_to_none=True)  # DDP's hooks would add a stale .grad to main_grad
+ddp = wrap_ddp(chunks, tconfig)
+groups = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+experts = [p for m in groups for p in m.parameters()]
+assert groups and all(p.k3_fuse_wgrad for p in experts)
+for m in groups:  # megatron's buffer layout is the evenly spaced one the fusion needs
+    for k in ("linear_fc1", "linear_fc2"):
+        ws = [getattr(e, k).weight for e in m.local_experts]
+        view, reverse = stacked_main_grad(ws)
+        for e, w in enumerate(ws):
+            assert view[len(ws) - 1 - e if reverse else e].data_ptr() == w.main_grad.data_ptr()
+
+
+def run_ddp():
+    ddp[0].zero_grad_buffer()
+    for mb in range(2):  # two micro-batches accumulate into main_grad
+        loss, _ = ddp[0](input_ids=ids[:, :-1], labels=ids[:, 1:])
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    return {n: p.main_grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+import megatron_k3.model.moe as moe_mod  # noqa: E402
+
+fusions = []
+moe_mod.stacked_main_grad = lambda ws: fusions.append(stacked_main_grad(ws)) or fusions[-1]
+fused = run_ddp()
+assert len(fusions) == 2 * 2 * len(groups) and all(f is not None for f in fusions), len(fusions)  # 2 mb x fc1/fc2
+for p in experts:
+    p.k3_fuse_wgrad = False
+fusions.clear()
+hooks = run_ddp()
+assert fusions and all(f is None for f in fusions)
+assert fused.keys() == hooks.keys()
+for n in fused:
+    assert torch.equal(fused[n], hooks[n]), n
+for n, g in local[1].items():  # = twice the plain gradient of one micro-batch
+    assert torch.equal(fused[n], 2 * g), n
+expert_names = [n for n in fused if ".experts." in n]
+assert expert_names and all(fused[n].abs().sum() > 0 for n in expert_names)
+print("wgrad fusion check OK", len(groups), "expert groups,", len(expert_names), "expert weights")

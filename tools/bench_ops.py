@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Micro-benchmarks of the fast paths on the GPU, each against the form it replaced (device time).
+
+Parts (``--parts``, default all):
+
+- ``attention``: the MLA core at K3's head shapes (``d_qk = nope + rope`` > ``d_v``; k3-mini 96/64, k3-full
+  192/128). ``sdpa`` is what the model calls (``F.scaled_dot_product_attention``, backend chosen by
+  PyTorch); ``efficient`` / ``cudnn`` restrict SDPA to one backend; ``flash_pad_v`` zero-pads v to d_qk for
+  the flash kernel (its output columns past d_v are exactly zero, so the math is unchanged).
+- ``attn_res``: the Attention-Residual mixer (``attn_res.attn_res_mix_reference``, torch.compile'd as the
+  model runs it) at k3-mini's [4, 4096, 1024] bf16 with N = 2..5 candidates, against the earlier einsum
+  form of the same formula (``einsum_mix`` below).
+- ``ce``: cross-entropy of one [4096, 163840] bf16 logits chunk (the LM head's chunk at k3-mini):
+  ``k3.cross_entropy_sum`` compiled against the eager ``F.cross_entropy(logits.float())``.
+
+Each is timed forward + backward with CUDA events (median of ``--iters`` after warm-up and compilation) and
+checked against an fp32/fp64 reference (relative Frobenius error of the output and input gradients).
+
+    source .gpu/bin/on_device.sh --no-te && python3 tools/bench_ops.py --out $OUT/bench_ops.json
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def time_fwd_bwd(fn, inputs, dy, iters, warmup=5):
+    """Median seconds of ``fn(*inputs).backward(dy)``; returns (seconds, output, input grads)."""
+    times = []
+    for i in range(iters + warmup):
+        for t in inputs:
+            t.grad = None
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y = fn(*inputs)
+        y.backward(dy)
+        b.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times), y.detach(), [t.grad for t in inputs]
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def part_attention(iters):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def plain(q, k, v, scale):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    def only(backend):
+        def f(q, k, v, scale):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return f
+
+    def flash_pad_v(q, k, v, scale):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), is_causal=True,
+                                               scale=scale)
+        return o[..., :v.shape[-1]]
+
+    variants = {"sdpa": plain, "efficient": only(SDPBackend.EFFICIENT_ATTENTION),
+                "cudnn": only(SDPBackend.CUDNN_ATTENTION), "flash_pad_v": flash_pad_v}
+    shapes = {"k3-mini [4, 4096, 16 heads, 96/64]": (4, 4096, 16, 96, 64),
+              "k3-full head dims [1, 4096, 16 heads, 192/128]": (1, 4096, 16, 192, 128)}
+    out = {}
+    for sname, (B, T, H, dqk, dv) in shapes.items():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q0, k0 = (torch.randn(B, H, T, dqk, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+        v0 = torch.randn(B, H, T, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+        dy = torch.randn(B, H, T, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+        scale = dqk ** -0.5
+        qr, kr, vr = (t[:1].float().requires_grad_() for t in (q0, k0, v0))  # fp32 math reference, batch 0
+        with sdpa_kernel([SDPBackend.MATH]):
+            ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
+        ref.backward(dy[:1].float())
+        refs = (ref.detach(), qr.grad, kr.grad, vr.grad)
+        flops = 3 * 2 * B * H * (T * T / 2) * (dqk + dv)  # 3x the causal forward
+        res = {}
+        for name, fn in variants.items():
+            ins = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+            try:
+                s, y, grads = time_fwd_bwd(lambda q, k, v: fn(q, k, v, scale), ins, dy, iters)
+            except Exception as e:  # noqa: BLE001 - the backend refuses these shapes
+                res[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            res[name] = {"fwd_bwd_s": s, "tflops_3x_fwd": flops / s / 1e12,
+                         "rel_err_vs_fp32": [rel(a[:1], b) for a, b in zip([y] + grads, refs)]}
+        out[sname] = res
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- attn_res
+def einsum_mix(prefix, blocks, query, norm_weight, eps):
+    """The mixer as first written (the same formula; its contractions as einsums)."""
+    V = torch.stack(list(blocks) + [prefix], dim=0).float()
+    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    s = torch.einsum("n...d,d->n...", K, norm_weight.float() * query.float())
+    p = torch.softmax(s, dim=0)
+    return torch.einsum("n...,n...d->...d", p, V).to(prefix.dtype)
+
+
+def part_attn_res(iters):
+    from megatron_k3.model.attn_res import attn_res_mix_reference
+    from megatron_k3.model.common import compiled
+
+    B, T, D = 4, 4096, 1024
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in (2, 3, 4, 5):
+        cands = [torch.randn(B, T, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(n)]
+        q = torch.randn(D, device="cuda", generator=g) * 0.1
+        w = torch.rand(D, device="cuda", generator=g) + 0.5
+        dy = torch.randn(B, T, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        ref_in = [c.double().requires_grad_() for c in cands]
+        ref = attn_res_mix_reference(ref_in[-1], ref_in[:-1], q.double(), w.double(), 1e-6)
+        ref.backward(dy.double())
+        refs = [ref.detach()] + [t.grad for t in ref_in]
+        res = {}
+        for name, fn in (("einsum_compiled", compiled(einsum_mix)), ("now_compiled", compiled(attn_res_mix_reference))):
+            ins = [c.clone().requires_grad_() for c in cands]
+            s, y, grads = time_fwd_bwd(lambda *xs: fn(xs[-1], list(xs[:-1]), q, w, 1e-6), ins, dy, iters)
+            nbytes = 2 * B * T * D * (n + 1) * 2  # fwd: read n, write 1; bwd: ~ the same again (bf16 floor)
+            res[name] = {"fwd_bwd_s": s, "bytes_floor_s": nbytes / 4.3e12,
+                         "rel_err_vs_fp64": [rel(a, b) for a, b in zip([y] + grads, refs)]}
+        res["speedup"] = res["einsum_compiled"]["fwd_bwd_s"] / res["now_compiled"]["fwd_bwd_s"]
+        out[f"N={n}"] = res
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ ce
+def part_ce(iters):
+    from megatron_k3.model.common import compiled
+    from megatron_k3.model.k3 import cross_entropy_sum
+
+    N, V = 4096, 163840
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits0 = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    tgt = torch.randint(0, V, (N,), device="cuda", generator=g)
+    tgt[::17] = -100
+    dy = torch.ones((), device="cuda")
+    lr = logits0[:256].double().requires_grad_()
+    ref = F.cross_entropy(lr, tgt[:256], ignore_index=-100, reduction="sum")
+    ref.backward()
+    res = {}
+
+    def eager(x):
+        return F.cross_entropy(x.float(), tgt, ignore_index=-100, reduction="sum")
+
+    fast = compiled(cross_entropy_sum)
+    for name, fn in (("eager_fp32_logits", eager), ("compiled", lambda x: fast(x, tgt, -100))):
+        x = logits0.clone().requires_grad_()
+        s, y, (gx,) = time_fwd_bwd(fn, [x], dy, iters)
+        part = float(F.cross_entropy(logits0[:256].double(), tgt[:256], ignore_index=-100, reduction="sum"))
+        res[name] = {"fwd_bwd_s": s, "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+                     "grad_rel_err_vs_fp64_rows0-255": rel(gx[:256], lr.grad), "loss": float(y),
+                     "first_256_rows_loss_fp64": part}
+        torch.cuda.reset_peak_memory_stats()
+    res["speedup"] = res["eager_fp32_logits"]["fwd_bwd_s"] / res["compiled"]["fwd_bwd_s"]
+    res["loss_rel_diff"] = abs(res["compiled"]["loss"] / res["eager_fp32_logits"]["loss"] - 1)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="attention,attn_res,ce")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "command": " ".join(["python3", "tools/bench_ops.py"] + sys.argv[1:]),
+           "note": "fwd+bwd device time (CUDA events, median after warm-up)"}
+    parts = {"attention": part_attention, "attn_res": part_attn_res, "ce": part_ce}
+    for p in args.parts.split(","):
+        try:
+            rep[p] = parts[p](args.iters)
+        except Exception as e:  # noqa: BLE001 - keep the other parts
+            rep[p] = {"error": f"{type(e).__name__}: {e}"[:600]}
+        torch.cuda.empty_cache()
+    txt = json.dumps(rep, indent=1)
+    print(txt)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(txt + "\n")
+
+
+if __name__ == "__main__":
+    main()
