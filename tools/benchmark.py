@@ -255,6 +255,11 @@ def gptmodel_config(cfg, dtype, te: bool, cuda: bool, fusions: bool = True):
               apply_rope_fusion=False)
     if te and cuda and fusions:
         kw.update(GPTMODEL_FUSIONS)
+        # megatron's output layer (a plain ColumnParallelLinear) needs apex's fused_weight_gradient_mlp_cuda
+        # for wgrad accumulation fusion (RuntimeError without it, measured on the H200 2026-12-01)
+        import importlib.util
+
+        kw["gradient_accumulation_fusion"] = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     if cfg.num_experts > 0:
         kw.update(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
                   moe_router_topk=cfg.num_experts_per_token, moe_layer_freq=freq,
