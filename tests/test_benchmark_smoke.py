@@ -16,3 +16,11 @@ def test_benchmark_smoke(root, tmp_path):
         b = rep["baselines"][name]
         assert "error" not in b, b
         assert len(b["step_times_s"]) == 2 and rep[f"speedup_vs_{name}"] > 0
+
+
+def test_gpu_tools_import(root):
+    """The GPU-only tools (gpu_check, bench_ops) import and parse their arguments here (they run on the GPU)."""
+    for tool in ("gpu_check.py", "bench_ops.py"):
+        r = subprocess.run([sys.executable, os.path.join(root, "tools", tool), "--help"], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+        assert r.returncode == 0 and "usage" in r.stdout, tool + r.stderr[-2000:]

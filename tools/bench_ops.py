@@ -20,15 +20,16 @@ checked against an fp32/fp64 reference (relative Frobenius error of the output a
 """
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from benchmark import write_report  # noqa: E402
 
 
 def rel(a, b):
@@ -191,11 +192,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - keep the other parts
             rep[p] = {"error": f"{type(e).__name__}: {e}"[:600]}
         torch.cuda.empty_cache()
-    txt = json.dumps(rep, indent=1)
-    print(txt)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(txt + "\n")
+    write_report(rep, args.out)
 
 
 if __name__ == "__main__":

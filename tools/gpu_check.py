@@ -13,13 +13,14 @@ Prints a JSON report (and writes it to ``--out``). Errors are relative Frobenius
 """
 import argparse
 import datetime
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from benchmark import write_report  # noqa: E402
 
 
 def rel(a, b):
@@ -279,11 +280,7 @@ def main():
         check_kda_kernel(cfg, report)
         check_megatron_model(cfg, report)
         check_grouped_experts(report)
-    txt = json.dumps(report, indent=1)
-    print(txt)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(txt + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
