@@ -26,7 +26,7 @@ input in KDA (3 in MLA) when B > 1 (each projection of a ``[B, S, D]`` view of t
 state makes its own contiguous copy, which its matmul saves; with B = 1 the view is contiguous: c = 1):
 
     RMSNorm(w) of a bf16 input         Tn (8w + 4)        fp32 copy, normalised copy, rstd
-    AttnRes mix over n candidates      Tn (8nD + 8n)      fp32 stack V, normalised keys K, rstd, softmax
+    AttnRes mix over n candidates      Tn (4nD + 12n)     fp32 stack V, rstd, dot with the query, softmax
         (per layer: before attention n = blocks + 1 if any block exists; before the FFN n = blocks + 1,
         + 1 at a snapshot layer; the final output mix n = blocks + 1; blocks = ceil(layer / block size))
     KDA   inputs  N (c a D + a d + a p)                   q/k/v/f_a/b/g projections, f_b, o_proj
@@ -261,7 +261,9 @@ def rms(T: float, w: int) -> float:
 
 
 def mix_bytes(T: float, n: int, D: int) -> float:
-    return T * (8 * n * D + 8 * n)
+    """The eager AttnRes mixer over n candidates saves, per row, the fp32 stack V and three fp32 [n]
+    vectors: the RMS scale, the dot product with the pseudo-query and the softmax."""
+    return T * (4 * n * D + 12 * n)
 
 
 def situ_bytes(g: Geometry, width: float) -> float:

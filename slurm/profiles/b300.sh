@@ -13,10 +13,11 @@ K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # mxfp8 to enable
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
 # Layout flags for (preset, nodes), from tools/plan_layout.py --gpu b300:
-#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 8: peak 128.0 GiB (reference SiTU op: 167 GiB)
+#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 8: peak 107.0 GiB (reference SiTU op: 145.9 GiB)
 #   k3-full, 64 nodes (512 GPUs): TP8 PP4 EP128 DP16 +SP, no recompute, layers per stage 24,24,24,21:
-#                     peak 191.4 GiB (stage 0: 4 micro-batches in flight).
-#                     32 nodes (TP8 PP2 EP128) do not fit without recompute (309 GiB).
+#                     peak 185.0 GiB (stage 0: 4 micro-batches in flight). The planner's own pick at 64
+#                     nodes, TP8 PP2 (237.3 GiB), leaves 4 GiB of the 241.4: PP4 is kept for the margin.
+#                     32 nodes (TP8 PP2 EP128) do not fit without recompute (300 GiB).
 k3_layout() {  # $1 preset, $2 nodes
   case $1 in
     k3-mini) echo "--expert-model-parallel-size 8 --use-distributed-optimizer --micro-batch-size 8" ;;

@@ -13,10 +13,10 @@ K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # blockwise to enable
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
 # Layout flags for (preset, nodes), from tools/plan_layout.py --gpu h100:
-#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 2: peak 38.7 GiB (micro-batch 4: 68.5 GiB, too close to
-#                     71.7, and 87.9 GiB with the reference SiTU op)
+#   k3-mini, 1 node:  TP1 PP1 EP8 DP8, micro-batch 2: peak 33.5 GiB (micro-batch 4: 58.0 GiB of the 71.7,
+#                     77.5 GiB with the reference SiTU op; kept at 2 until measured on an H100)
 #   k3-full, 256 nodes (2048 GPUs): TP8 PP4 EP128 DP64 +SP, full recompute, layers per stage 24,24,24,21:
-#                     peak 65.8 GiB (stage 1); no layout fits without full recompute at this size.
+#                     peak 65.6 GiB (stage 1); no layout fits without full recompute at this size.
 k3_layout() {  # $1 preset, $2 nodes
   case $1 in
     k3-mini) echo "--expert-model-parallel-size 8 --use-distributed-optimizer --micro-batch-size 2" ;;

@@ -10,8 +10,8 @@ K3_DEFAULT_CKPT_WRITER=odirect
 K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # Hopper: blockwise to enable (1.05x bf16 measured)
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
-# k3-mini, 1 node: TP1 PP1 EP8 DP8, micro-batch 4: peak 68.5 GiB (the 1-GPU benchmark setting: no
-# distributed optimizer, reference SiTU, SequentialMLP experts: planned 103.8 GiB, measured 104.8 GiB)
+# k3-mini, 1 node: TP1 PP1 EP8 DP8, micro-batch 4: peak 58.0 GiB (the 1-GPU benchmark setting with the
+# current code: planned 73.8 GiB, measured 56.4 GiB: the planner models the eager path, see slurm/README.md)
 # k3-full: not planned for H200 (see tools/plan_layout.py --preset k3-full --gpu h200 --nodes N)
 k3_layout() {  # $1 preset, $2 nodes
   case $1 in
