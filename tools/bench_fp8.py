@@ -162,8 +162,9 @@ def main():
            "model": cfg.to_dict(), "params_total": model_info(cfg)["total_params"],
            "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length, "steps": args.steps,
            "data": data, "source_entropy_nats": entropy, "recipes": {}}
-    for i, recipe in enumerate(args.recipes.split(",")):
-        n = args.recipes.split(",")[:i].count(recipe)
+    recipes = args.recipes.split(",")
+    for i, recipe in enumerate(recipes):
+        n = recipes[:i].count(recipe)
         label = recipe if n == 0 else f"{recipe}#{n + 1}"
         if cuda:
             torch.cuda.empty_cache()
