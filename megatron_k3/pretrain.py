@@ -79,6 +79,9 @@ def build_parser():
     a("--mtp-loss-scaling-factor", type=float, default=0.1)
     a("--recompute-granularity", choices=["none", "selective", "full"], default="none",
       help="selective: recompute the token mixers' cores and FFN activations; full: whole layers")
+    a("--cuda-graph-impl", choices=["none", "local"], default="none",
+      help="local: each decoder layer's forward and backward as CUDA graphs, captured before the first step "
+           "(megatron_k3/megatron/graphs.py; one GPU stage, EP = TP = CP = 1, no full recompute, no FP8)")
     a("--moe-router-load-balancing-type", choices=["sign", "quantile", "none"], default="sign",
       help="aux-loss-free balancing of e_score_correction_bias: zero-centred sign update, K3's Quantile "
            "Balancing, or none (see megatron_k3/balancing.py)")
@@ -261,6 +264,9 @@ def main(argv=None):
     from .precision import check_fp8_here
 
     check_fp8_here(args.fp8_recipe, args.fp8_format, args.recompute_granularity)
+    from .megatron.graphs import check_cuda_graphs
+
+    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe)
     if args.optimizer == "muon" and args.optimizer_offload != "none":
         raise UsageError("--optimizer-offload host-stream streams AdamW only; use --optimizer adam")
     if args.optimizer == "muon" and args.use_distributed_optimizer:
@@ -447,6 +453,12 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
     start_step, tokens_seen = 0, 0
     if args.load:
         start_step, tokens_seen = _resume(args, cfg, chunks, opt, loader, shapes())
+    if args.cuda_graph_impl == "local":  # after the resume: the graphs read the parameters in place
+        from .megatron.graphs import capture_layer_graphs
+
+        n = capture_layer_graphs(chunks, ddp, args.micro_batch_size, cfg.seq_length // layout.cp)
+        if rank == 0:
+            print(f"[pretrain] captured CUDA graphs of {n} decoder layers", flush=True)
     stop = _install_signal_handler() if args.exit_signal_handler else None
     t0 = time.time()
     tokens_at_start = tokens_seen

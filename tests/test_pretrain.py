@@ -69,6 +69,7 @@ def _pretrain(root, *args, timeout=300, nproc=None):
     (["--data-path", "/nonexistent/store"], "data path not found"),
     (["--global-batch-size", "6", "--micro-batch-size", "4"], "not divisible by micro batch x DP"),
     (["--preset", "k3-tiny", "--config", "configs/k3-tiny-cpu.yaml", "--lr-warmup-fraction", "1.5"], "warmup"),
+    (["--cuda-graph-impl", "local"], "it needs a CUDA device"),
 ])
 def test_bad_input_one_line(root, args, needle, tmp_path):
     r = _pretrain(root, "--run-dir", str(tmp_path), *args)

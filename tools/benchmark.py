@@ -58,9 +58,17 @@ def main():
                     help="comma list of same-run baselines: seed, gptmodel, or none")
     ap.add_argument("--fp8-recipe", default=None, choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
                     help="the K3 model's projections in FP8 (megatron_k3/precision.py); baselines stay bf16")
+    ap.add_argument("--cuda-graph-impl", default="none", choices=["none", "local"],
+                    help="local: the K3 model's decoder layers as CUDA graphs (megatron_k3/megatron/graphs.py)")
+    ap.add_argument("--watchdog", type=float, default=None,
+                    help="after this many seconds print every thread's stack to stderr (where a slow run is)")
     ap.add_argument("--no-te", action="store_true",
                     help="hide Transformer Engine and apex (megatron then uses its torch fallbacks)")
     args = ap.parse_args()
+    if args.watchdog:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=False)
     if args.no_te:
         for m in ("transformer_engine", "transformer_engine.pytorch", "apex", "amp_C"):
             sys.modules[m] = None  # import raises ImportError
@@ -83,6 +91,9 @@ def main():
     check_fp8_here(args.fp8_recipe, None, args.recompute_granularity)
     cfg = get_preset(args.preset, seq_length=args.seq_length)
     layout = ParallelLayout()
+    from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs
+
+    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe)
     device = init_distributed(layout, seed=0)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     t0 = time.time()
@@ -96,6 +107,13 @@ def main():
     opt = build_optimizer(ddp, lr=1e-4, bf16=args.bf16)
     B, S = args.micro_batch_size, args.seq_length
     cuda = device.type == "cuda"
+    progress(f"K3 model built and initialised in {build_s:.1f} s")
+    capture_s = None
+    if args.cuda_graph_impl == "local":
+        t1 = time.time()
+        n = capture_layer_graphs(chunks, ddp, B, S)
+        capture_s = time.time() - t1
+        progress(f"captured CUDA graphs of {n} layers in {capture_s:.1f} s")
     train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
     times, _, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps), device,
                                  args.warmup)
@@ -122,6 +140,7 @@ def main():
             json.dump({"partial": True, "step_times_s": times, "median_step_s": statistics.median(times),
                        "tokens_per_s": B * S / statistics.median(times), "peak_memory_gib": k3_peak}, f)
     baselines = {}
+    replays = sum(getattr(getattr(lay, "k3_graph", None), "replays", 0) for c in chunks for lay in c.layers.values())
     del opt, ddp, chunks, train_step
     for name in [b for b in args.baselines.split(",") if b and b != "none"]:
         if cuda:
@@ -149,6 +168,7 @@ def main():
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
         "micro_batch_size": B, "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
         "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": build_s,
+        "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": capture_s, "layer_graph_replays": replays,
         "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3_peak, "breakdown": breakdown, "baselines": baselines,
@@ -161,6 +181,11 @@ def main():
             rep[f"speedup_vs_{name}"] = b["median_step_s"] / med
     write_report(rep, args.out)
     ps.destroy_model_parallel()
+
+
+def progress(msg: str):
+    """One timestamped line on stderr (the JSON report goes to stdout)."""
+    print(f"[benchmark {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def random_batches(vocab: int, B: int, S: int, n: int):
@@ -186,8 +211,10 @@ def time_steps(step, batches, device, warmup: int):
         outs.append(step(*batch))
         if cuda:
             torch.cuda.synchronize()
+        dt = time.perf_counter() - t1
         if i >= warmup:
-            times.append(time.perf_counter() - t1)
+            times.append(dt)
+        progress(f"step {i}{' (warm-up)' if i < warmup else ''}: {dt:.3f} s")
     return times, outs, batch
 
 

@@ -244,12 +244,77 @@ def check_situ_shapes(report):
     report["situ_stream_vs_fp64"] = out
 
 
+def check_layer_graphs(cfg, report):
+    """CUDA graphs of the decoder layers (``megatron/graphs.py``) against the same model run eagerly: the same
+    init and batches through megatron's schedule, DDP and Adam for 3 steps, then one step at half the
+    micro-batch (the graphed model must fall back to eager there). Compares every step's loss, the
+    parameters after the steps and the routers' expert bias."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from benchmark import megatron_step
+    from megatron.core import parallel_state as ps
+
+    from megatron_k3.layout import ParallelLayout
+    from megatron_k3.megatron import adapter
+    from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs
+    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
+                                              init_distributed, make_forward_step, moe_routers, wrap_ddp)
+    from megatron_k3.model import K3ForCausalLM
+
+    layout = ParallelLayout()
+    check_cuda_graphs("local", layout)
+    device = init_distributed(layout, seed=7)
+    sd = K3ForCausalLM(cfg, seed=7).state_dict()
+    B, S = 4, cfg.seq_length
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g) for _ in range(3)]
+    batches.append(batches[0][: B // 2])
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        runs = {}
+        for mode in ("eager", "graphs"):
+            chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dt, device=device)
+            adapter.load_hf_state_dict(chunks[0], sd, 0)
+            ddp = wrap_ddp(chunks, tconfig)
+            tconfig.finalize_model_grads_func = finalize_k3_grads
+            tconfig.no_sync_func = ddp[0].no_sync
+            opt = build_optimizer(ddp, lr=1e-3, bf16=dt == torch.bfloat16)
+            captured = capture_layer_graphs(chunks, ddp, B, S) if mode == "graphs" else 0
+            losses = []
+            for t in batches:
+                step = megatron_step(ddp, opt, make_forward_step(), t.shape[0], S)
+                d = step(t[:, :-1].to(device), t[:, 1:].to(device))[0]
+                losses.append((d["lm_sum"] / d["n"]).item())
+            replays = sum(getattr(lay, "k3_graph").replays for lay in chunks[0].layers.values()) if captured else 0
+            params = {n: p.detach().float().cpu().clone() for n, p in chunks[0].named_parameters()}
+            bias = torch.cat([r.expert_bias.detach().float().cpu() for _, r in moe_routers(chunks)])
+            runs[mode] = (losses, params, bias, captured, replays)
+            del chunks, ddp, opt
+            torch.cuda.empty_cache()
+        (le, pe, be, _, _), (lg, pg, bg, cap, rep) = runs["eager"], runs["graphs"]
+        perr = {n: rel(pg[n], pe[n]) for n in pe}
+        worst = max(perr, key=perr.get)
+        out["fp32" if dt == torch.float32 else "bf16"] = {
+            "layers_captured": cap, "layer_calls_replayed": rep, "losses_eager": le, "losses_graphs": lg,
+            "loss_rel_err_max": max(abs(a - b) / abs(b) for a, b in zip(lg, le)),
+            "param_rel_err_max": perr[worst], "param_rel_err_worst": worst, "expert_bias_rel_err": rel(bg, be)}
+    report["layer_graphs_vs_eager"] = out
+    f, b = out["fp32"], out["bf16"]
+    report["graphs_criteria"] = ("every layer captured and replayed on the 3 full batches, none on the half batch; "
+                                 "fp32: losses and parameters after 4 Adam steps within 1e-5 relative; bf16: losses "
+                                 "within 1e-3, parameters within 1e-2")
+    n_layers = cfg.num_hidden_layers
+    report["graphs_pass"] = bool(f["layers_captured"] == n_layers and f["layer_calls_replayed"] == 3 * n_layers
+                                 and f["loss_rel_err_max"] < 1e-5 and f["param_rel_err_max"] < 1e-5
+                                 and b["loss_rel_err_max"] < 1e-3 and b["param_rel_err_max"] < 1e-2)
+    ps.destroy_model_parallel()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled"], default="all",
+    ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled", "graphs"], default="all",
                     help="fast: grouped experts, the foreach/fused optimizer fallbacks, SiTU shapes, compiled glue; "
-                         "compiled: the compiled glue only")
+                         "compiled: the compiled glue only; graphs: CUDA graphs of the layers vs eager")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_check.py needs a CUDA GPU")
@@ -270,6 +335,9 @@ def main():
     elif args.only == "compiled":
         report["command"] = "python3 tools/gpu_check.py --only compiled"
         check_compiled_glue(cfg, report)
+    elif args.only == "graphs":
+        report["command"] = "python3 tools/gpu_check.py --only graphs"
+        check_layer_graphs(cfg, report)
     elif args.only == "fast":
         report["command"] = "python3 tools/gpu_check.py --only fast"
         check_grouped_experts(report)

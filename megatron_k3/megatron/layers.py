@@ -70,9 +70,11 @@ def _seq_first(t):
 
 
 def recomputed(fn, *args, enabled: bool = False):
-    """``fn(*args)``, its activations recomputed in backward when ``enabled`` (selective recompute)."""
+    """``fn(*args)``, its activations recomputed in backward when ``enabled`` (selective recompute). The
+    recomputed cores draw no random numbers (K3 has no dropout), so the RNG state is not saved and restored
+    (reading the CUDA generator's state is also not allowed while a CUDA graph is captured: ``graphs.py``)."""
     if enabled and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     return fn(*args)
 
 

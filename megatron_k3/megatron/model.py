@@ -30,6 +30,7 @@ from ..model.k3 import IGNORE_INDEX, cross_entropy_sum
 from ..model.mtp import MTPModule
 from ..precision import layer_context
 from .comm import ParallelCtx, tp_enter, tp_exit
+from .graphs import run_layer
 from .layers import ParallelK3Layer, mark_replicated, mark_tp
 
 
@@ -130,9 +131,10 @@ class K3MegatronModel(MegatronModule):
         self.input_tensor = input_tensor
 
     def _run_layer(self, layer, h, blocks):
-        """One decoder layer inside its FP8 autocast when FP8 is on (re-entered when recomputed)."""
+        """One decoder layer inside its FP8 autocast when FP8 is on (re-entered when recomputed); through its
+        CUDA graphs when they were captured and this call can replay them (``graphs.run_layer``)."""
         with layer_context(self.config, layer.layer_idx):
-            return layer(h, blocks)
+            return run_layer(layer, h, blocks)
 
     def forward(self, input_ids=None, labels=None, mtp_input_ids=None, mtp_labels=None, ce_chunk_tokens=4096):
         """First stage: ``input_ids`` [B, S_cp]. Last stage: ``labels`` [B, S_cp] (IGNORE_INDEX = skip) gives

@@ -1,0 +1,172 @@
+"""CUDA graphs of whole decoder layers (``--cuda-graph-impl local``): one forward and one backward graph
+per layer, captured once with ``torch.cuda.make_graphed_callables`` and replayed every micro-batch.
+
+Why: at k3-mini size one training step issues ~10,000 kernels and the GPU is busy for well under half the
+step (``benchmarks/README.md``): the host's Python, autograd and launch work is the bottleneck. A replayed
+graph launches a layer's forward (or backward) as one unit, so the host cost of a layer no longer depends
+on how many kernels it has.
+
+What is captured: ``body(h, *blocks) -> h'``, the layer's math on the partial block sum ``h`` and the
+completed AttnRes snapshots ``blocks`` (the golden ``K3DecoderLayer.forward``); the snapshot list itself
+(``blocks + [h]`` at a block's first layer) is rebuilt outside the graph, so no graph output aliases an
+input. The backward graph returns the gradients of ``h``, of every block and of the layer's parameters;
+the parameters' gradients then go through autograd's ``AccumulateGrad`` and megatron's DDP hooks as usual,
+and the grouped experts add theirs to ``main_grad`` inside the graph (``moe.stacked_main_grad``: the
+buffers are persistent, so the captured addresses stay valid).
+
+Conditions, checked up front by ``check_cuda_graphs`` (a clear error instead of a wrong replay):
+- CUDA; no pipeline parallelism (1F1B keeps several micro-batches' activations in flight, a layer's graph
+  holds one) and no full-layer recompute (it would replay the forward graph inside backward);
+- EP x TP x CP = 1: the MoE dispatch is then sync-free (``experts.LocalAlltoAllDispatcher``), every shape
+  is static and no collective runs inside a layer (data parallelism is fine: its reduction runs after
+  backward, outside the graphs);
+- no FP8 (Transformer Engine's scaling state is updated by host code around its modules).
+A call whose inputs differ from the captured ones (shape, dtype, number of blocks), and every call
+without grad or in eval mode, runs the layer eagerly: the same math, so validation and a short last batch
+stay correct (and eval forwards do not add to the routers' token counts inside a graph).
+
+After capture, the warm-up and capture work is undone where it touched persistent state: the DDP grad
+buffers (the experts' fused weight-gradient adds ran during warm-up) and the routers' token counts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+
+IMPLS = ("none", "local")
+
+
+class CudaGraphError(ConfigError):
+    """The requested CUDA graphs cannot be used with this layout, recompute or precision."""
+
+
+def check_cuda_graphs(impl: str, layout, recompute: str = "none", fp8_recipe: str | None = None,
+                      cuda: bool | None = None) -> None:
+    """Raise ``CudaGraphError`` naming the first condition (module docstring) that ``impl`` violates."""
+    if impl not in IMPLS:
+        raise CudaGraphError(f"--cuda-graph-impl {impl!r}: choose one of {', '.join(IMPLS)}")
+    if impl == "none":
+        return
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    problems = []
+    if not cuda:
+        problems.append("it needs a CUDA device (this process has none)")
+    if layout.pp > 1 or layout.vpp > 1:
+        problems.append(f"pipeline parallelism (PP={layout.pp}, VPP={layout.vpp}) keeps several micro-batches "
+                        "in flight per layer; a layer graph holds one")
+    if layout.ep * layout.tp * layout.cp > 1:
+        problems.append(f"EP x TP x CP = {layout.ep} x {layout.tp} x {layout.cp}: the MoE all-to-all needs host-side "
+                        "split sizes and the layers run collectives (graphs need EP = TP = CP = 1)")
+    if recompute == "full":
+        problems.append("--recompute-granularity full would replay a layer's forward graph inside its backward "
+                        "(use none or selective)")
+    if fp8_recipe:
+        problems.append(f"FP8 ({fp8_recipe}): Transformer Engine updates its scaling state in host code around "
+                        "each module")
+    if problems:
+        raise CudaGraphError("--cuda-graph-impl local cannot be used here: " + "; ".join(problems))
+
+
+class _LayerBody(nn.Module):
+    """``(h, *blocks) -> h'``: what is captured of one decoder layer (kept out of the model's module tree)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h, *blocks):
+        return eager_body(self.layer, h, blocks)
+
+
+def eager_body(layer, h, blocks):
+    out, _ = layer(h, list(blocks) if layer.attn_res else None)
+    return out
+
+
+def next_blocks(layer, h, blocks):
+    """The snapshot list after ``layer`` (``K3DecoderLayer.forward``): ``h`` is appended at a block's start."""
+    if not layer.attn_res:
+        return None
+    return list(blocks) + [h] if layer.snapshot else blocks
+
+
+class GraphedLayer:
+    """The replayable form of one layer (a plain object, not a submodule: the model's parameter names and
+    state dict do not change)."""
+
+    def __init__(self, layer, graphed_body, sample):
+        self.layer, self.body = layer, graphed_body
+        self.sig = [(t.shape, t.dtype, t.device) for t in sample]
+        self.replays = 0  # forward replays so far (tests and benchmarks read it)
+
+    def matches(self, h, blocks) -> bool:
+        ts = [h] + list(blocks or [])
+        return (len(ts) == len(self.sig) and all((t.shape, t.dtype, t.device) == s for t, s in zip(ts, self.sig))
+                and all(t.requires_grad for t in ts))
+
+    def __call__(self, h, blocks):
+        self.replays += 1
+        return self.body(h, *(blocks or [])), next_blocks(self.layer, h, blocks)
+
+
+def run_layer(layer, h, blocks):
+    """The layer through its graph when one was captured and this call can replay it, else eagerly."""
+    g = getattr(layer, "k3_graph", None)
+    if g is not None and layer.training and torch.is_grad_enabled() and g.matches(h, blocks):
+        return g(h, blocks)
+    return layer(h, blocks)
+
+
+def _k3_models(chunks):
+    from .model import K3MegatronModel
+
+    out = []
+    for c in chunks:
+        m = c
+        while not isinstance(m, K3MegatronModel) and hasattr(m, "module"):
+            m = m.module
+        if not isinstance(m, K3MegatronModel):
+            raise TypeError(f"expected a K3MegatronModel (or a wrapper of one), got {type(c).__name__}")
+        out.append(m)
+    return out
+
+
+def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, warmup_iters: int = 3) -> int:
+    """Capture every decoder layer of ``chunks`` (``check_cuda_graphs`` passed) for micro-batches of
+    ``micro_batch_size`` x ``seq_length`` tokens; returns the number of layers captured. ``ddp``: the DDP
+    wrappers whose grad buffers are zeroed afterwards."""
+    from .runtime import moe_routers
+
+    models = _k3_models(chunks)
+    bodies, samples, layers = [], [], []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in models:
+        if not m.pre_process:
+            raise CudaGraphError("layer graphs are captured on the first (only) pipeline stage")
+        D = m.cfg.hidden_size
+        dtype, dev = m.embed_tokens.weight.dtype, m.embed_tokens.weight.device
+        for layer in m.layers.values():
+            nb = m.num_blocks_before(layer.layer_idx) if m.attn_res else 0
+            sample = tuple((torch.randn(seq_length, micro_batch_size, D, device=dev, generator=gen) * 0.02)
+                           .to(dtype).requires_grad_() for _ in range(1 + nb))
+            bodies.append(_LayerBody(layer).train(layer.training))
+            samples.append(sample)
+            layers.append(layer)
+    if not bodies:
+        return 0
+    graphed = torch.cuda.make_graphed_callables(tuple(bodies), tuple(samples), num_warmup_iters=warmup_iters,
+                                                allow_unused_input=True)
+    for layer, body, sample in zip(layers, graphed, samples):
+        layer.k3_graph = GraphedLayer(layer, body, sample)
+    # undo what warm-up and capture left in persistent state
+    for d in ddp:
+        d.zero_grad_buffer()
+    with torch.no_grad():
+        for _, r in moe_routers(models):
+            r.local_tokens_per_expert.zero_()
+            for name in ("k3_qb_sum", "k3_qb_count"):
+                getattr(r, name).zero_()
+    torch.cuda.synchronize()
+    return len(layers)
