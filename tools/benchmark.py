@@ -108,12 +108,20 @@ def main():
     B, S = args.micro_batch_size, args.seq_length
     cuda = device.type == "cuda"
     progress(f"K3 model built and initialised in {build_s:.1f} s")
-    capture_s = None
+    capture_s = graph_error = None
     if args.cuda_graph_impl == "local":
         t1 = time.time()
-        n = capture_layer_graphs(chunks, ddp, B, S)
-        capture_s = time.time() - t1
-        progress(f"captured CUDA graphs of {n} layers in {capture_s:.1f} s")
+        try:
+            n = capture_layer_graphs(chunks, ddp, B, S)
+            capture_s = time.time() - t1
+            progress(f"captured CUDA graphs of {n} layers in {capture_s:.1f} s")
+        except Exception as e:  # noqa: BLE001  (report it and time the eager model: the call is not wasted)
+            import traceback
+
+            graph_error = {"error": f"{type(e).__name__}: {e}"[:800], "where": traceback.format_exc().splitlines()[-12:]}
+            progress(f"capture failed, timing the eager model instead: {graph_error['error']}")
+            for lay in (lay for c in chunks for lay in c.layers.values()):
+                lay.__dict__.pop("k3_graph", None)
     train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
     times, _, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps), device,
                                  args.warmup)
@@ -146,6 +154,7 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        progress(f"baseline {name}")
         try:
             fn = {"seed": seed_baseline, "gptmodel": gptmodel_baseline}[name]
             baselines[name] = fn(cfg, B, S, device, dtype, args.warmup, args.steps)
@@ -169,6 +178,7 @@ def main():
         "micro_batch_size": B, "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
         "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": build_s,
         "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": capture_s, "layer_graph_replays": replays,
+        "graph_error": graph_error,
         "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3_peak, "breakdown": breakdown, "baselines": baselines,

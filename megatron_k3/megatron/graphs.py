@@ -156,17 +156,18 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
             layers.append(layer)
     if not bodies:
         return 0
-    graphed = torch.cuda.make_graphed_callables(tuple(bodies), tuple(samples), num_warmup_iters=warmup_iters,
-                                                allow_unused_input=True)
-    for layer, body, sample in zip(layers, graphed, samples):
-        layer.k3_graph = GraphedLayer(layer, body, sample)
-    # undo what warm-up and capture left in persistent state
-    for d in ddp:
-        d.zero_grad_buffer()
-    with torch.no_grad():
-        for _, r in moe_routers(models):
-            r.local_tokens_per_expert.zero_()
-            for name in ("k3_qb_sum", "k3_qb_count"):
-                getattr(r, name).zero_()
-    torch.cuda.synchronize()
+    try:
+        graphed = torch.cuda.make_graphed_callables(tuple(bodies), tuple(samples), num_warmup_iters=warmup_iters,
+                                                    allow_unused_input=True)
+        for layer, body, sample in zip(layers, graphed, samples):
+            layer.k3_graph = GraphedLayer(layer, body, sample)
+    finally:  # undo what warm-up and capture left in persistent state (also when capture failed)
+        torch.cuda.synchronize()
+        for d in ddp:
+            d.zero_grad_buffer()
+        with torch.no_grad():
+            for _, r in moe_routers(models):
+                r.local_tokens_per_expert.zero_()
+                for name in ("k3_qb_sum", "k3_qb_count"):
+                    getattr(r, name).zero_()
     return len(layers)
