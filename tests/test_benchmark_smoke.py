@@ -20,7 +20,24 @@ def test_benchmark_smoke(root, tmp_path):
 
 def test_gpu_tools_import(root):
     """The GPU-only tools (gpu_check, bench_ops) import and parse their arguments here (they run on the GPU)."""
-    for tool in ("gpu_check.py", "bench_ops.py"):
+    for tool in ("gpu_check.py", "bench_ops.py", "bench_scaling.py"):
         r = subprocess.run([sys.executable, os.path.join(root, "tools", tool), "--help"], capture_output=True,
                            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
         assert r.returncode == 0 and "usage" in r.stdout, tool + r.stderr[-2000:]
+
+
+def test_bench_scaling_smoke(root, tmp_path):
+    """1 rank, DP2 and EP2 (two gloo ranks each) through benchmark.py; the report compares per-rank tokens/s."""
+    out = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_scaling.py"), "--smoke", "--master-port",
+                        "29741", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.load(open(out))["runs"]
+    assert [runs[n]["layout"] for n in ("1", "dp2", "ep2")] == ["TP1 PP1 EP1 CP1 DP1", "TP1 PP1 EP1 CP1 DP2",
+                                                                  "TP1 PP1 EP2 CP1 DP2"]
+    for n in ("dp2", "ep2"):
+        x = runs[n]
+        assert x["world_size"] == 2 and x["tokens_per_s"] > 0 and len(x["step_times_s"]) == 2
+        assert abs(x["per_gpu_vs_1gpu"] - x["tokens_per_s"] / runs["1"]["tokens_per_s"]) < 1e-12
+        assert abs(x["tokens_per_s_all_gpus"] - 2 * x["tokens_per_s"]) < 1e-6

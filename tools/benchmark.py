@@ -58,6 +58,9 @@ def main():
                     help="comma list of same-run baselines: seed, gptmodel, or none")
     ap.add_argument("--fp8-recipe", default=None, choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
                     help="the K3 model's projections in FP8 (megatron_k3/precision.py); baselines stay bf16")
+    ap.add_argument("--expert-model-parallel-size", type=int, default=1,
+                    help="EP under torchrun (several ranks: data parallel over all of them, experts split EP ways); "
+                         "tokens_per_s is then per GPU (tools/bench_scaling.py compares it with one GPU)")
     ap.add_argument("--cuda-graph-impl", default="none", choices=["none", "local"],
                     help="local: the K3 model's decoder layers as CUDA graphs (megatron_k3/megatron/graphs.py)")
     ap.add_argument("--watchdog", type=float, default=None,
@@ -74,8 +77,11 @@ def main():
             sys.modules[m] = None  # import raises ImportError
     if args.smoke:
         args.preset, args.seq_length, args.micro_batch_size, args.warmup, args.steps = "k3-tiny", 128, 2, 2, 2
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29677"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29677", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        os.environ.setdefault(k, v)  # torchrun sets them for several ranks
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world > 1 and args.baselines not in ("", "none"):
+        sys.exit("error: the same-run baselines are single-GPU runs: pass --baselines none with several ranks")
     from megatron.core import parallel_state as ps
 
     from megatron_k3.config import get_preset
@@ -90,7 +96,8 @@ def main():
 
     check_fp8_here(args.fp8_recipe, None, args.recompute_granularity)
     cfg = get_preset(args.preset, seq_length=args.seq_length)
-    layout = ParallelLayout()
+    layout = ParallelLayout(ep=args.expert_model_parallel_size, dp=world)
+    layout.validate(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, world_size=world)
     from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs
 
     check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe)
@@ -123,8 +130,8 @@ def main():
             for lay in (lay for c in chunks for lay in c.layers.values()):
                 lay.__dict__.pop("k3_graph", None)
     train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
-    times, _, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps), device,
-                                 args.warmup)
+    times, _, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps, seed=rank),
+                                 device, args.warmup)
     breakdown = None
     if args.profile or cuda:  # one extra, profiled step: where the device time goes
         from torch.profiler import ProfilerActivity, profile
@@ -143,7 +150,7 @@ def main():
             with open(args.profile, "w") as f:
                 f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
     k3_peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
-    if args.out:  # the K3 measurement survives a baseline that runs out of time or memory
+    if args.out and rank == 0:  # the K3 measurement survives a baseline that runs out of time or memory
         with open(args.out, "w") as f:
             json.dump({"partial": True, "step_times_s": times, "median_step_s": statistics.median(times),
                        "tokens_per_s": B * S / statistics.median(times), "peak_memory_gib": k3_peak}, f)
@@ -173,13 +180,15 @@ def main():
     rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]),
+        "command": " ".join((["torchrun", "--nproc-per-node", str(world)] if world > 1 else ["python"])
+                            + ["tools/benchmark.py"] + sys.argv[1:]),
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
         "micro_batch_size": B, "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
+        "world_size": world, "layout": layout.describe(), "tokens_per_s_all_gpus": world * tps,
         "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": build_s,
         "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": capture_s, "layer_graph_replays": replays,
         "graph_error": graph_error,
-        "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,
+        "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,  # per GPU
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3_peak, "breakdown": breakdown, "baselines": baselines,
         "transformer_engine": have_te(), "compiled_glue": cuda and os.environ.get("K3_COMPILE", "1") != "0",
@@ -189,18 +198,22 @@ def main():
             b["tokens_per_s"] = B * S / b["median_step_s"]
             b["mfu_vs_989_tflops"] = b["tokens_per_s"] * fpt / H200_BF16_DENSE if cuda else None
             rep[f"speedup_vs_{name}"] = b["median_step_s"] / med
-    write_report(rep, args.out)
-    ps.destroy_model_parallel()
+    if rank == 0:
+        write_report(rep, args.out)
+    from megatron_k3.megatron.runtime import destroy
+
+    destroy()
 
 
 def progress(msg: str):
     """One timestamped line on stderr (the JSON report goes to stdout)."""
-    print(f"[benchmark {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    r = f" rank {os.environ.get('RANK', '0')}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"[benchmark{r} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def random_batches(vocab: int, B: int, S: int, n: int):
-    """``n`` random (tokens, labels) batches [B, S] on the CPU, the same in every run (seed 0)."""
-    g = torch.Generator().manual_seed(0)
+def random_batches(vocab: int, B: int, S: int, n: int, seed: int = 0):
+    """``n`` random (tokens, labels) batches [B, S] on the CPU, the same in every run (``seed``: the rank)."""
+    g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         t = torch.randint(0, vocab, (B, S + 1), generator=g)
