@@ -3,7 +3,8 @@
 Capture and replay need CUDA; their equivalence with the eager model (losses, parameters after Adam steps,
 expert bias, and the eager fallback at another micro-batch size) is ``tools/gpu_check.py --only graphs``
 (benchmarks/README.md). Here: the refusals, the split of a layer into the captured body and the snapshot
-bookkeeping outside it, and when a captured layer is replayed or run eagerly.
+bookkeeping outside it, when a captured layer is replayed or run eagerly, and a short training run through
+the whole path with the graphs' static-buffer semantics emulated eagerly.
 """
 import pytest
 import torch
@@ -86,3 +87,16 @@ def test_replay_only_when_the_call_matches_the_capture():
     finally:
         lay.train()
         del lay.k3_graph
+
+
+def test_graph_buffer_semantics_in_training(root):
+    """The whole path (capture_layer_graphs, replay dispatch, DDP, fused expert wgrad, router counts, Adam)
+    with make_graphed_callables replaced by an eager emulation of its static buffers
+    (tests/helpers/graph_emulation_check.py): same losses, gradients, parameters and expert bias as eager."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "graph_emulation_check.py"), "29753"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0 and "GRAPH EMULATION OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

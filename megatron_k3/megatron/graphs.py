@@ -141,12 +141,12 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
 
     models = _k3_models(chunks)
     bodies, samples, layers = [], [], []
-    gen = torch.Generator(device="cuda").manual_seed(0)
     for m in models:
         if not m.pre_process:
             raise CudaGraphError("layer graphs are captured on the first (only) pipeline stage")
         D = m.cfg.hidden_size
         dtype, dev = m.embed_tokens.weight.dtype, m.embed_tokens.weight.device
+        gen = torch.Generator(device=dev).manual_seed(0)
         for layer in m.layers.values():
             nb = m.num_blocks_before(layer.layer_idx) if m.attn_res else 0
             sample = tuple((torch.randn(seq_length, micro_batch_size, D, device=dev, generator=gen) * 0.02)
