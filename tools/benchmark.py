@@ -98,7 +98,7 @@ def main():
     cfg = get_preset(args.preset, seq_length=args.seq_length)
     layout = ParallelLayout(ep=args.expert_model_parallel_size, dp=world)
     layout.validate(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, world_size=world)
-    from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs
+    from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs, layer_graph_replays
 
     check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe)
     device = init_distributed(layout, seed=0)
@@ -127,8 +127,6 @@ def main():
 
             graph_error = {"error": f"{type(e).__name__}: {e}"[:800], "where": traceback.format_exc().splitlines()[-12:]}
             progress(f"capture failed, timing the eager model instead: {graph_error['error']}")
-            for lay in (lay for c in chunks for lay in c.layers.values()):
-                lay.__dict__.pop("k3_graph", None)
     train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
     times, _, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps, seed=rank),
                                  device, args.warmup)
@@ -155,7 +153,7 @@ def main():
             json.dump({"partial": True, "step_times_s": times, "median_step_s": statistics.median(times),
                        "tokens_per_s": B * S / statistics.median(times), "peak_memory_gib": k3_peak}, f)
     baselines = {}
-    replays = sum(getattr(getattr(lay, "k3_graph", None), "replays", 0) for c in chunks for lay in c.layers.values())
+    replays = layer_graph_replays(chunks)
     del opt, ddp, chunks, train_step
     for name in [b for b in args.baselines.split(",") if b and b != "none"]:
         if cuda:

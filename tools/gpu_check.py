@@ -255,7 +255,7 @@ def check_layer_graphs(cfg, report):
 
     from megatron_k3.layout import ParallelLayout
     from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs
+    from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs, layer_graph_replays
     from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
                                               init_distributed, make_forward_step, moe_routers, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
@@ -284,7 +284,7 @@ def check_layer_graphs(cfg, report):
                 step = megatron_step(ddp, opt, make_forward_step(), t.shape[0], S)
                 d = step(t[:, :-1].to(device), t[:, 1:].to(device))[0]
                 losses.append((d["lm_sum"] / d["n"]).item())
-            replays = sum(getattr(lay, "k3_graph").replays for lay in chunks[0].layers.values()) if captured else 0
+            replays = layer_graph_replays(chunks)
             params = {n: p.detach().float().cpu().clone() for n, p in chunks[0].named_parameters()}
             bias = torch.cat([r.expert_bias.detach().float().cpu() for _, r in moe_routers(chunks)])
             runs[mode] = (losses, params, bias, captured, replays)

@@ -120,17 +120,21 @@ def run_layer(layer, h, blocks):
 
 
 def _k3_models(chunks):
+    from megatron.core.utils import unwrap_model
+
     from .model import K3MegatronModel
 
-    out = []
-    for c in chunks:
-        m = c
-        while not isinstance(m, K3MegatronModel) and hasattr(m, "module"):
-            m = m.module
+    models = unwrap_model(list(chunks))
+    for c, m in zip(chunks, models):
         if not isinstance(m, K3MegatronModel):
             raise TypeError(f"expected a K3MegatronModel (or a wrapper of one), got {type(c).__name__}")
-        out.append(m)
-    return out
+    return models
+
+
+def layer_graph_replays(chunks) -> int:
+    """Forward replays of all captured layer graphs of ``chunks`` so far (0 when none were captured)."""
+    return sum(lay.k3_graph.replays for m in _k3_models(chunks) for lay in m.layers.values()
+               if getattr(lay, "k3_graph", None) is not None)
 
 
 def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, warmup_iters: int = 3) -> int:

@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.graphs import capture_layer_graphs  # noqa: E402
+from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays  # noqa: E402
 from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,  # noqa: E402
                                           init_distributed, make_forward_step, moe_routers, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
@@ -119,7 +119,7 @@ for mode in ("eager", "graphs"):
             grads1 = {n: p.main_grad.detach().clone() for n, p in chunks[0].named_parameters()}
         opt.step()
         losses.append(sum(float(d["lm_sum"]) for d in out) / sum(float(d["n"]) for d in out))
-    replays = sum(lay.k3_graph.replays for lay in chunks[0].layers.values()) if n_layers else 0
+    replays = layer_graph_replays(chunks)
     params = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     bias = torch.cat([r.expert_bias.detach().clone() for _, r in moe_routers(chunks)])
     res[mode] = (losses, params, bias, n_layers, replays, grads1)
