@@ -266,7 +266,8 @@ def main(argv=None):
     check_fp8_here(args.fp8_recipe, args.fp8_format, args.recompute_granularity)
     from .megatron.graphs import check_cuda_graphs
 
-    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe)
+    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe,
+                      cuda=None, bf16=args.bf16)
     if args.optimizer == "muon" and args.optimizer_offload != "none":
         raise UsageError("--optimizer-offload host-stream streams AdamW only; use --optimizer adam")
     if args.optimizer == "muon" and args.use_distributed_optimizer:
@@ -397,6 +398,9 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     device = init_distributed(layout, seed=args.seed)
+    from .megatron.graphs import use_graph_stream
+
+    use_graph_stream(args.cuda_graph_impl)  # before the model and DDP (graphs.py, "Streams")
     rank = dist.get_rank()
     from .precision import resolve as fp8_fields
 

@@ -25,7 +25,8 @@ def test_refusals_name_the_reason():
              (dict(tp=2), {}, "EP x TP x CP = 1 x 2 x 1", True),
              (dict(cp=2), {}, "EP x TP x CP = 1 x 1 x 2", True),
              (dict(), {"recompute": "full"}, "recompute-granularity full", True),
-             (dict(), {"fp8_recipe": "blockwise"}, "FP8 (blockwise)", True)]
+             (dict(), {"fp8_recipe": "blockwise"}, "FP8 (blockwise)", True),
+             (dict(), {"bf16": False}, "fp32 weights", True)]
     for layout_kw, kw, needle, cuda in cases:
         with pytest.raises(CudaGraphError, match=needle.replace("(", r"\(").replace(")", r"\)")) as e:
             check_cuda_graphs("local", ParallelLayout(**layout_kw), cuda=cuda, **kw)

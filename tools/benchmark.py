@@ -55,7 +55,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="also profile one extra step; write the top ops table here")
     ap.add_argument("--baselines", default="seed,gptmodel",
-                    help="comma list of same-run baselines: seed, gptmodel, or none")
+                    help="comma list of same-run baselines: seed, gptmodel, k3eager (this K3 model again without "
+                         "layer graphs; with --cuda-graph-impl local), or none")
     ap.add_argument("--fp8-recipe", default=None, choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
                     help="the K3 model's projections in FP8 (megatron_k3/precision.py); baselines stay bf16")
     ap.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -82,87 +83,43 @@ def main():
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world > 1 and args.baselines not in ("", "none"):
         sys.exit("error: the same-run baselines are single-GPU runs: pass --baselines none with several ranks")
-    from megatron.core import parallel_state as ps
-
     from megatron_k3.config import get_preset
     from megatron_k3.layout import ParallelLayout
-    from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
-                                              init_distributed, make_forward_step, wrap_ddp)
-    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.megatron.graphs import check_cuda_graphs, use_graph_stream
+    from megatron_k3.megatron.runtime import init_distributed
     from megatron_k3.model_info import model_info
-
-    from megatron_k3.precision import check_fp8_here, resolve
+    from megatron_k3.precision import check_fp8_here
 
     check_fp8_here(args.fp8_recipe, None, args.recompute_granularity)
     cfg = get_preset(args.preset, seq_length=args.seq_length)
     layout = ParallelLayout(ep=args.expert_model_parallel_size, dp=world)
     layout.validate(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, world_size=world)
-    from megatron_k3.megatron.graphs import capture_layer_graphs, check_cuda_graphs, layer_graph_replays
-
-    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe)
+    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe, bf16=args.bf16)
     device = init_distributed(layout, seed=0)
+    use_graph_stream(args.cuda_graph_impl)  # before any model: the eager K3 baseline then runs on it too
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    t0 = time.time()
-    chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
-                                         recompute=args.recompute_granularity, **resolve(args.fp8_recipe, None))
-    adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
-    build_s = time.time() - t0
-    ddp = wrap_ddp(chunks, tconfig)
-    tconfig.finalize_model_grads_func = finalize_k3_grads
-    tconfig.no_sync_func = ddp[0].no_sync
-    opt = build_optimizer(ddp, lr=1e-4, bf16=args.bf16)
     B, S = args.micro_batch_size, args.seq_length
     cuda = device.type == "cuda"
-    progress(f"K3 model built and initialised in {build_s:.1f} s")
-    capture_s = graph_error = None
-    if args.cuda_graph_impl == "local":
-        t1 = time.time()
-        try:
-            n = capture_layer_graphs(chunks, ddp, B, S)
-            capture_s = time.time() - t1
-            progress(f"captured CUDA graphs of {n} layers in {capture_s:.1f} s")
-        except Exception as e:  # noqa: BLE001  (report it and time the eager model: the call is not wasted)
-            import traceback
-
-            graph_error = {"error": f"{type(e).__name__}: {e}"[:800], "where": traceback.format_exc().splitlines()[-12:]}
-            progress(f"capture failed, timing the eager model instead: {graph_error['error']}")
-    train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
-    times, _, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps, seed=rank),
-                                 device, args.warmup)
-    breakdown = None
-    if args.profile or cuda:  # one extra, profiled step: where the device time goes
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            t1 = time.perf_counter()
-            train_step(*batch)
-            if cuda:
-                torch.cuda.synchronize()
-            prof_wall = time.perf_counter() - t1
-        if cuda:
-            breakdown = {"profiled_step_wall_s": prof_wall, **kernel_breakdown(prof)}
-        if args.profile:
-            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-            with open(args.profile, "w") as f:
-                f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
-    k3_peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+    k3 = k3_run(cfg, layout, args, args.cuda_graph_impl, B, S, device, dtype, rank, profile_path=args.profile)
+    times, build_s = k3["step_times_s"], k3["build_and_init_s"]
     if args.out and rank == 0:  # the K3 measurement survives a baseline that runs out of time or memory
         with open(args.out, "w") as f:
-            json.dump({"partial": True, "step_times_s": times, "median_step_s": statistics.median(times),
-                       "tokens_per_s": B * S / statistics.median(times), "peak_memory_gib": k3_peak}, f)
+            json.dump({"partial": True, **k3}, f)
     baselines = {}
-    replays = layer_graph_replays(chunks)
-    del opt, ddp, chunks, train_step
     for name in [b for b in args.baselines.split(",") if b and b != "none"]:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         progress(f"baseline {name}")
         try:
-            fn = {"seed": seed_baseline, "gptmodel": gptmodel_baseline}[name]
-            baselines[name] = fn(cfg, B, S, device, dtype, args.warmup, args.steps)
+            if name == "k3eager":  # the same K3 model without layer graphs: what the graphs buy, same run
+                b = k3_run(cfg, layout, args, "none", B, S, device, dtype, rank, profile_path=None)
+                n = min(len(b["losses"]), len(k3["losses"]))
+                b["loss_max_abs_diff_vs_k3"] = max(abs(x - y) for x, y in zip(b["losses"][:n], k3["losses"][:n]))
+                baselines[name] = b
+            else:
+                fn = {"seed": seed_baseline, "gptmodel": gptmodel_baseline}[name]
+                baselines[name] = fn(cfg, B, S, device, dtype, args.warmup, args.steps)
         except Exception as e:  # noqa: BLE001  (report, do not lose the K3 measurement)
             import traceback
 
@@ -184,11 +141,12 @@ def main():
         "micro_batch_size": B, "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
         "world_size": world, "layout": layout.describe(), "tokens_per_s_all_gpus": world * tps,
         "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": build_s,
-        "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": capture_s, "layer_graph_replays": replays,
-        "graph_error": graph_error,
+        "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": k3["graph_capture_s"],
+        "layer_graph_replays": k3["layer_graph_replays"], "graph_error": k3["graph_error"],
         "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,  # per GPU
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
-        "peak_memory_gib": k3_peak, "breakdown": breakdown, "baselines": baselines,
+        "peak_memory_gib": k3["peak_memory_gib"], "losses": k3["losses"], "breakdown": k3["breakdown"],
+        "baselines": baselines,
         "transformer_engine": have_te(), "compiled_glue": cuda and os.environ.get("K3_COMPILE", "1") != "0",
     }
     for name, b in baselines.items():
@@ -202,6 +160,69 @@ def main():
 
     destroy()
 
+
+
+def k3_run(cfg, layout, args, graph_impl: str, B: int, S: int, device, dtype, rank: int, profile_path=None) -> dict:
+    """Build the megatron K3 model (golden init), optionally capture its layers as CUDA graphs, train
+    ``args.warmup + args.steps`` steps and, on CUDA, one profiled step. Returns the measurement; the model is
+    freed on return so a baseline can follow in the same process."""
+    from megatron_k3.megatron import adapter
+    from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays
+    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
+                                              make_forward_step, wrap_ddp)
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.precision import resolve
+
+    cuda = device.type == "cuda"
+    t0 = time.time()
+    chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
+                                         recompute=args.recompute_granularity, **resolve(args.fp8_recipe, None))
+    adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
+    build_s = time.time() - t0
+    ddp = wrap_ddp(chunks, tconfig)
+    tconfig.finalize_model_grads_func = finalize_k3_grads
+    tconfig.no_sync_func = ddp[0].no_sync
+    opt = build_optimizer(ddp, lr=1e-4, bf16=args.bf16)
+    progress(f"K3 model built and initialised in {build_s:.1f} s (layer graphs: {graph_impl})")
+    capture_s = graph_error = None
+    if graph_impl == "local":
+        t1 = time.time()
+        try:
+            n = capture_layer_graphs(chunks, ddp, B, S)
+            capture_s = time.time() - t1
+            progress(f"captured CUDA graphs of {n} layers in {capture_s:.1f} s")
+        except Exception as e:  # noqa: BLE001  (report it and time the eager model: the call is not wasted)
+            import traceback
+
+            graph_error = {"error": f"{type(e).__name__}: {e}"[:800], "where": traceback.format_exc().splitlines()[-12:]}
+            progress(f"capture failed, timing the eager model instead: {graph_error['error']}")
+    train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
+    times, outs, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps,
+                                                               seed=rank), device, args.warmup)
+    losses = [float(sum(d["lm_sum"] for d in o) / sum(d["n"] for d in o)) for o in outs if o]
+    breakdown = None
+    if profile_path or cuda:  # one extra, profiled step: where the device time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            t1 = time.perf_counter()
+            train_step(*batch)
+            if cuda:
+                torch.cuda.synchronize()
+            prof_wall = time.perf_counter() - t1
+        if cuda:
+            breakdown = {"profiled_step_wall_s": prof_wall, **kernel_breakdown(prof)}
+        if profile_path:
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            with open(profile_path, "w") as f:
+                f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
+    replays = layer_graph_replays(chunks)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+    del opt, ddp, chunks, train_step, outs
+    return {"build_and_init_s": build_s, "graph_capture_s": capture_s, "graph_error": graph_error,
+            "layer_graph_replays": replays, "step_times_s": times, "median_step_s": statistics.median(times),
+            "losses": losses, "peak_memory_gib": peak, "breakdown": breakdown}
 
 def progress(msg: str):
     """One timestamped line on stderr (the JSON report goes to stdout)."""

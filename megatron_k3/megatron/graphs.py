@@ -20,6 +20,8 @@ Conditions, checked up front by ``check_cuda_graphs`` (a clear error instead of 
 - EP x TP x CP = 1: the MoE dispatch is then sync-free (``experts.LocalAlltoAllDispatcher``), every shape
   is static and no collective runs inside a layer (data parallelism is fine: its reduction runs after
   backward, outside the graphs);
+- bf16 weights: in fp32, ``torch._grouped_mm`` takes a fallback that copies the group offsets to the host
+  ("Cannot copy between CPU and CUDA tensors during CUDA graph capture", H200, 2026-12-02);
 - no FP8 (Transformer Engine's scaling state is updated by host code around its modules).
 A call whose inputs differ from the captured ones (shape, dtype, number of blocks), and every call
 without grad or in eval mode, runs the layer eagerly: the same math, so validation and a short last batch
@@ -27,6 +29,18 @@ stay correct (and eval forwards do not add to the routers' token counts inside a
 
 After capture, the warm-up and capture work is undone where it touched persistent state: the DDP grad
 buffers (the experts' fused weight-gradient adds ran during warm-up) and the routers' token counts.
+
+Streams: ``use_graph_stream`` must make a side stream current before the model and DDP are built (the
+benchmark, ``gpu_check`` and the trainer call it right after ``check_cuda_graphs``), as megatron's own
+``CudaGraphManager`` does. Megatron's DDP keeps every parameter's ``AccumulateGrad`` node alive from its
+construction (its grad hooks hang on them), and autograd runs a node's input-buffer work on the stream the
+node was created on. Created on the legacy default stream, the backward capture (on
+``torch.cuda.graph``'s capture stream) would make the default stream wait on the capturing stream, which
+CUDA forbids ("operation would make the legacy stream depend on a capturing blocking stream"): measured on
+the H200 on 2026-12-02 as ``cudaErrorStreamCaptureInvalidated`` at the first backward graph's
+``capture_end``, with torch's warning that "the AccumulateGrad node's stream does not match". On a side
+stream the same wait is a legal fork of the capture that autograd joins back at the end of backward.
+``capture_layer_graphs`` refuses to start on the default stream.
 """
 from __future__ import annotations
 
@@ -43,7 +57,7 @@ class CudaGraphError(ConfigError):
 
 
 def check_cuda_graphs(impl: str, layout, recompute: str = "none", fp8_recipe: str | None = None,
-                      cuda: bool | None = None) -> None:
+                      cuda: bool | None = None, bf16: bool = True) -> None:
     """Raise ``CudaGraphError`` naming the first condition (module docstring) that ``impl`` violates."""
     if impl not in IMPLS:
         raise CudaGraphError(f"--cuda-graph-impl {impl!r}: choose one of {', '.join(IMPLS)}")
@@ -62,11 +76,21 @@ def check_cuda_graphs(impl: str, layout, recompute: str = "none", fp8_recipe: st
     if recompute == "full":
         problems.append("--recompute-granularity full would replay a layer's forward graph inside its backward "
                         "(use none or selective)")
+    if not bf16:
+        problems.append("fp32 weights: torch._grouped_mm (the grouped experts) copies its group offsets to the host "
+                        "outside bf16, which a capture forbids (add --bf16)")
     if fp8_recipe:
         problems.append(f"FP8 ({fp8_recipe}): Transformer Engine updates its scaling state in host code around "
                         "each module")
     if problems:
         raise CudaGraphError("--cuda-graph-impl local cannot be used here: " + "; ".join(problems))
+
+
+def use_graph_stream(impl: str) -> None:
+    """With ``impl == "local"`` on CUDA: make a fresh side stream current for the rest of the process. Call it
+    before the model and its DDP wrapper are built (module docstring, "Streams")."""
+    if impl == "local" and torch.cuda.is_available():
+        torch.cuda.set_stream(torch.cuda.Stream())
 
 
 class _LayerBody(nn.Module):
@@ -144,6 +168,10 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
     from .runtime import moe_routers
 
     models = _k3_models(chunks)
+    dev = next(models[0].parameters()).device
+    if dev.type == "cuda" and torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev):
+        raise CudaGraphError("layer graphs need the model, DDP and training on a side stream: call "
+                             "graphs.use_graph_stream('local') before building them (graphs.py, 'Streams')")
     bodies, samples, layers = [], [], []
     for m in models:
         if not m.pre_process:
