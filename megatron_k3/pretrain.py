@@ -266,8 +266,7 @@ def main(argv=None):
     check_fp8_here(args.fp8_recipe, args.fp8_format, args.recompute_granularity)
     from .megatron.graphs import check_cuda_graphs
 
-    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe,
-                      cuda=None, bf16=args.bf16)
+    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe, bf16=args.bf16)
     if args.optimizer == "muon" and args.optimizer_offload != "none":
         raise UsageError("--optimizer-offload host-stream streams AdamW only; use --optimizer adam")
     if args.optimizer == "muon" and args.use_distributed_optimizer:
