@@ -321,6 +321,10 @@ def main():
     ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled", "graphs"], default="all",
                     help="fast: grouped experts, the foreach/fused optimizer fallbacks, SiTU shapes, compiled glue; "
                          "compiled: the compiled glue only; graphs: CUDA graphs of the layers vs eager")
+    ap.add_argument("--graphs-preset", choices=["gpu", "k3-mini"], default="gpu",
+                    help="model of --only graphs: gpu (the widened k3-tiny of the other checks) or k3-mini at "
+                         "4 x 4096 tokens, the benchmark's shapes, whose compiled kernels a carried "
+                         ".gpu/cache already holds (tools/gpu_cache.sh)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_check.py needs a CUDA GPU")
@@ -342,7 +346,12 @@ def main():
         report["command"] = "python3 tools/gpu_check.py --only compiled"
         check_compiled_glue(cfg, report)
     elif args.only == "graphs":
-        report["command"] = "python3 tools/gpu_check.py --only graphs"
+        report["command"] = f"python3 tools/gpu_check.py --only graphs --graphs-preset {args.graphs_preset}"
+        if args.graphs_preset == "k3-mini":
+            from megatron_k3.config import get_preset
+
+            cfg = get_preset("k3-mini", seq_length=4096)
+            report["config"] = "k3-mini, seq 4096, batch 4 (then 2)"
         check_layer_graphs(cfg, report)
     elif args.only == "fast":
         report["command"] = "python3 tools/gpu_check.py --only fast"
