@@ -100,8 +100,7 @@ def main():
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     B, S = args.micro_batch_size, args.seq_length
     cuda = device.type == "cuda"
-    k3 = k3_run(cfg, layout, args, args.cuda_graph_impl, B, S, device, dtype, rank, profile_path=args.profile)
-    times, build_s = k3["step_times_s"], k3["build_and_init_s"]
+    k3 = k3_run(cfg, layout, args, args.cuda_graph_impl, device, dtype, rank, profile_path=args.profile)
     if args.out and rank == 0:  # the K3 measurement survives a baseline that runs out of time or memory
         with open(args.out, "w") as f:
             json.dump({"partial": True, **k3}, f)
@@ -113,9 +112,8 @@ def main():
         progress(f"baseline {name}")
         try:
             if name == "k3eager":  # the same K3 model without layer graphs: what the graphs buy, same run
-                b = k3_run(cfg, layout, args, "none", B, S, device, dtype, rank, profile_path=None)
-                n = min(len(b["losses"]), len(k3["losses"]))
-                b["loss_max_abs_diff_vs_k3"] = max(abs(x - y) for x, y in zip(b["losses"][:n], k3["losses"][:n]))
+                b = k3_run(cfg, layout, args, "none", device, dtype, rank, profile_path=None)
+                b["loss_max_abs_diff_vs_k3"] = max(abs(x - y) for x, y in zip(b["losses"], k3["losses"]))
                 baselines[name] = b
             else:
                 fn = {"seed": seed_baseline, "gptmodel": gptmodel_baseline}[name]
@@ -129,7 +127,7 @@ def main():
             with open(args.out + ".partial", "w") as f:
                 json.dump(baselines, f)
     info = model_info(cfg)
-    med = statistics.median(times)
+    med = k3["median_step_s"]
     tps = B * S / med
     fpt = flops_per_token(cfg, S, info["active_params"])
     rep = {
@@ -140,10 +138,10 @@ def main():
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
         "micro_batch_size": B, "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
         "world_size": world, "layout": layout.describe(), "tokens_per_s_all_gpus": world * tps,
-        "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": build_s,
+        "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": k3["build_and_init_s"],
         "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": k3["graph_capture_s"],
         "layer_graph_replays": k3["layer_graph_replays"], "graph_error": k3["graph_error"],
-        "step_times_s": times, "median_step_s": med, "tokens_per_s": tps,  # per GPU
+        "step_times_s": k3["step_times_s"], "median_step_s": med, "tokens_per_s": tps,  # per GPU
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3["peak_memory_gib"], "losses": k3["losses"], "breakdown": k3["breakdown"],
         "baselines": baselines,
@@ -161,11 +159,11 @@ def main():
     destroy()
 
 
-
-def k3_run(cfg, layout, args, graph_impl: str, B: int, S: int, device, dtype, rank: int, profile_path=None) -> dict:
+def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile_path=None) -> dict:
     """Build the megatron K3 model (golden init), optionally capture its layers as CUDA graphs, train
-    ``args.warmup + args.steps`` steps and, on CUDA, one profiled step. Returns the measurement; the model is
-    freed on return so a baseline can follow in the same process."""
+    ``args.warmup + args.steps`` steps of ``args.micro_batch_size`` x ``args.seq_length`` tokens and, on CUDA,
+    one profiled step. Returns the measurement; the model is freed on return so a baseline can follow in the
+    same process."""
     from megatron_k3.megatron import adapter
     from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays
     from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
@@ -174,6 +172,7 @@ def k3_run(cfg, layout, args, graph_impl: str, B: int, S: int, device, dtype, ra
     from megatron_k3.precision import resolve
 
     cuda = device.type == "cuda"
+    B, S = args.micro_batch_size, args.seq_length
     t0 = time.time()
     chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
                                          recompute=args.recompute_granularity, **resolve(args.fp8_recipe, None))
@@ -223,6 +222,7 @@ def k3_run(cfg, layout, args, graph_impl: str, B: int, S: int, device, dtype, ra
     return {"build_and_init_s": build_s, "graph_capture_s": capture_s, "graph_error": graph_error,
             "layer_graph_replays": replays, "step_times_s": times, "median_step_s": statistics.median(times),
             "losses": losses, "peak_memory_gib": peak, "breakdown": breakdown}
+
 
 def progress(msg: str):
     """One timestamped line on stderr (the JSON report goes to stdout)."""
