@@ -19,3 +19,13 @@ def test_foreach_stand_ins_equal_megatron_local(root):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "compat foreach stand-ins: OK" in r.stdout
+
+
+def test_coalesced_float16_params_train_bit_identically(root):
+    """runtime.coalesce_float16_params (bf16 parameters and fp32 masters in flat buffers, one copy per step):
+    three bf16 steps of k3-tiny give bit-identical losses, parameters and masters to megatron's own layout
+    (tests/helpers/coalesce_check.py)."""
+    env = dict(os.environ, PYTHONPATH=root)
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "coalesce_check.py"), "29743"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "coalesce check OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -134,3 +134,56 @@ def test_local_dispatcher_skips_sync_and_equals_megatron(root):
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "dispatch check OK" in r.stdout and "wgrad fusion check OK" in r.stdout, \
         r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_gather_permutation_equals_index_add_and_gradchecks():
+    """permute_tokens/unpermute_tokens (the local dispatcher's atomic-free permutation): the values and both
+    gradients equal megatron-style index_select / scatter_add, and gradcheck passes."""
+    from megatron_k3.model.moe import permute_tokens, token_permutation, unpermute_tokens
+
+    torch.manual_seed(0)
+    N, E, k, D = 7, 5, 2, 3
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    routing_map = torch.zeros(N, E, dtype=torch.bool).scatter_(1, idx, True)
+    src = routing_map.T.reshape(-1).argsort(descending=True, stable=True)[: N * k] % N
+    rows = token_permutation(src, N, k)
+    assert sorted(rows.reshape(-1).tolist()) == list(range(N * k)) and bool((src[rows] == torch.arange(N)[:, None]).all())
+    x = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
+    y = permute_tokens(x, src, rows)
+    assert torch.equal(y, x.detach()[src])
+    w = torch.randn(N * k, D, dtype=torch.float64)
+    (y * w).sum().backward()
+    assert torch.allclose(x.grad, torch.zeros_like(x).index_add(0, src, w), rtol=0, atol=1e-12)
+    z = torch.randn(N * k, D, dtype=torch.float64, requires_grad=True)
+    out = unpermute_tokens(z, src, rows)
+    assert torch.allclose(out, torch.zeros(N, D, dtype=torch.float64).scatter_add(0, src[:, None].expand(-1, D), z),
+                          rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: permute_tokens(t, src, rows), (x,))
+    assert torch.autograd.gradcheck(lambda t: unpermute_tokens(t, src, rows), (z,))
+
+
+def test_compiled_gather_sum_and_prob_scale_equal_eager():
+    """The two glue functions the local dispatcher and the grouped experts compile on CUDA (traced here with
+    the aot_eager backend: the graphs inductor lowers, run eagerly) equal their eager forms, gradients too."""
+    from megatron_k3.megatron.experts import scale_rows
+    from megatron_k3.model.common import compiled
+    from megatron_k3.model.moe import gather_sum_reference
+
+    torch.manual_seed(0)
+    y = torch.randn(12, 5, dtype=torch.bfloat16)
+    rows = torch.randperm(12).view(4, 3)
+    ref = gather_sum_reference(y, rows)
+    assert torch.equal(ref, (y.float()[rows.reshape(-1)].view(4, 3, 5)[:, 0] + y.float()[rows[:, 1]]
+                             + y.float()[rows[:, 2]]).to(torch.bfloat16))
+    assert torch.equal(compiled(gather_sum_reference, backend="aot_eager")(y, rows), ref)
+    h = torch.randn(6, 4, dtype=torch.bfloat16, requires_grad=True)
+    p = torch.rand(6, dtype=torch.float32, requires_grad=True)
+    outs = []
+    for fn in (scale_rows, compiled(scale_rows, backend="aot_eager")):
+        h.grad = p.grad = None
+        out = fn(h, p, torch.bfloat16)
+        (out.float() * torch.arange(24.0).view(6, 4)).sum().backward()
+        outs.append((out, h.grad.clone(), p.grad.clone()))
+    assert outs[0][0].dtype == torch.bfloat16
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

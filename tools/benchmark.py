@@ -204,7 +204,7 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, record_shapes=cuda) as prof:
             t1 = time.perf_counter()
             train_step(*batch)
             if cuda:
@@ -419,9 +419,13 @@ def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
-def kernel_breakdown(prof, top_n: int = 6) -> dict:
+def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
     """Self device time of one profiled step, grouped by what the kernels do (names matched in order), with
-    the ``top_n`` kernels of each kind (time and launch count) and the step's number of kernel launches."""
+    the ``top_n`` kernels of each kind (time and launch count) and the step's number of kernel launches.
+    Profiler ranges shown on the device timeline (``Optimizer.step#...``: user annotations) are not kernels
+    and are left out (they would count the kernels inside them twice). ``top_ops``: the aten operators that
+    launched the most device time, by input shapes (the profile records shapes; kernels replayed from a CUDA
+    graph have no operator and are not in this list)."""
     import re
 
     groups = [("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
@@ -439,7 +443,7 @@ def kernel_breakdown(prof, top_n: int = 6) -> dict:
         t = getattr(e, "self_device_time_total", None)
         if t is None:
             t = getattr(e, "self_cuda_time_total", 0.0)
-        if not t or e.device_type.name != "CUDA":
+        if not t or e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False) or "#" in e.key:
             continue
         name = e.key.lower()
         kind = next((k for k, rx in groups if re.search(rx, name)), "other")
@@ -448,8 +452,21 @@ def kernel_breakdown(prof, top_n: int = 6) -> dict:
     total = sum(out.values())
     top = {k: [{"s": round(t, 5), "calls": c, "kernel": n} for t, c, n in sorted(v, reverse=True)[:top_n]]
            for k, v in kernels.items() if v}
+    ops = []
+    try:
+        grouped = prof.key_averages(group_by_input_shape=True)
+    except Exception:  # noqa: BLE001  (shapes not recorded)
+        grouped = []
+    for e in grouped:
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        if t and e.device_type.name == "CPU" and e.key.startswith("aten::"):
+            ops.append((t / 1e6, e.count, e.key, str(getattr(e, "input_shapes", ""))[:160]))
     return {"device_busy_s": total, "by_kind_s": {k: round(v, 5) for k, v in out.items()},
-            "kernel_launches": sum(c for v in kernels.values() for _, c, _ in v), "top_by_kind": top}
+            "kernel_launches": sum(c for v in kernels.values() for _, c, _ in v), "top_by_kind": top,
+            "top_ops": [{"s": round(t, 5), "calls": c, "op": n, "shapes": sh}
+                        for t, c, n, sh in sorted(ops, reverse=True)[:top_ops]]}
 
 
 def seed_baseline(cfg, B, S, device, dtype, warmup, steps):

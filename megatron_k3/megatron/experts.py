@@ -24,7 +24,8 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from ..model.moe import grouped_linear
+from ..model.common import fast
+from ..model.moe import grouped_linear, permute_tokens, token_permutation, unpermute_tokens
 
 
 def grouped_ok(x: torch.Tensor, widths) -> bool:
@@ -50,8 +51,14 @@ class GroupedExperts(SequentialMLP):
         offs = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
         h = grouped_linear(x, fc1, offs)  # [T, 2F]
         h = experts[0].activation_func(h)
-        h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
+        h = fast(scale_rows, h)(h, permuted_probs, x.dtype)
         return grouped_linear(h, fc2, offs), None
+
+
+def scale_rows(h: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``h * p`` per row (the routing probability, fp32) cast to ``dtype``; compiled on CUDA (one kernel each
+    way instead of a mixed-dtype multiply into an fp32 copy and a cast)."""
+    return (h * p.unsqueeze(-1)).to(dtype)
 
 
 class LocalAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
@@ -64,9 +71,13 @@ class LocalAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
     that sort is the identity permutation, and ``GroupedExperts`` reads the counts on the device, so both
     are skipped here: no device-to-host copy, no sync (the host keeps running ahead of the GPU), no two
     copies of the permuted tokens per layer. The permutation itself (megatron's argsort ``permute``) was
-    already sync-free. Any other layout (EP > 1 or TP > 1: the all-to-all needs host split sizes, and the
-    sort is real) or token dropping takes megatron's path unchanged. The sequential fallback of
-    ``GroupedExperts`` still accepts the device counts (its ``.tolist()`` syncs there, as before)."""
+    already sync-free. The permutation of the tokens and its inverse are gathers both ways
+    (``model.moe.permute_tokens``/``unpermute_tokens``), where megatron's are an ``index_select`` whose
+    backward is an atomic ``index_add`` and a zero-fill plus atomic ``scatter_add``; same row order, same
+    probabilities, and each token's k expert outputs are added in the same (expert) order, in fp32.
+    Any other layout (EP > 1 or TP > 1: the all-to-all needs host split sizes, and the sort is real), token
+    dropping or padding takes megatron's path unchanged. The sequential fallback of ``GroupedExperts`` still
+    accepts the device counts (its ``.tolist()`` syncs there, as before)."""
 
     @classmethod
     def adopt(cls, dispatcher: MoEAlltoAllTokenDispatcher) -> MoEAlltoAllTokenDispatcher:
@@ -80,6 +91,33 @@ class LocalAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         if self.k3_local:
             return tokens_per_expert
         return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self.k3_perm = None
+        c = self.config
+        if (not self.k3_local or self.shared_experts is not None or c.moe_router_padding_for_quantization
+                or c.moe_permute_fusion or c.moe_expert_capacity_factor is not None):
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        x = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        self.hidden_shape_before_permute = x.shape
+        n, k = x.shape[0], c.moe_router_topk
+        assert self.num_out_tokens == n * k, (self.num_out_tokens, n, k)  # dropless: static, host ints
+        # megatron's order: experts ascending, tokens ascending within each (moe_utils.permute)
+        flat = routing_map.bool().T.contiguous().reshape(-1).argsort(descending=True, stable=True)[: n * k]
+        src = flat % n
+        self.k3_perm = (src, token_permutation(src, n, k))
+        self.reversed_local_input_permutation_mapping = src
+        return permute_tokens(x, *self.k3_perm), probs.T.contiguous().reshape(-1)[flat]
+
+    def combine_postprocess(self, hidden_states):
+        if getattr(self, "k3_perm", None) is None:
+            return super().combine_postprocess(hidden_states)
+        out = unpermute_tokens(hidden_states, *self.k3_perm)
+        self.k3_perm = None
+        return out.view(self.hidden_shape)
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         if not self.k3_local:

@@ -69,6 +69,14 @@ def _seq_first(t):
     return t.transpose(0, 1)
 
 
+def _batch_first(x):
+    """[S, B, D] -> [B, S, D] as one contiguous copy. The token mixers' projections all read it: on the
+    transposed view each ``F.linear`` would copy its input itself (a strided copy in forward and more in
+    backward, per projection: 6 projections in KDA), and keep its own copy for backward. Likewise the
+    output projection runs on the sequence-first copy of its input, so its output needs no transpose."""
+    return x.transpose(0, 1).contiguous()
+
+
 def recomputed(fn, *args, enabled: bool = False):
     """``fn(*args)``, its activations recomputed in backward when ``enabled`` (selective recompute). The
     recomputed cores draw no random numbers (K3 has no dropout), so the RNG state is not saved and restored
@@ -100,7 +108,7 @@ class ParallelKDA(KimiDeltaAttention):
 
     def forward(self, x):  # [s, B, D]
         ctx = self.ctx
-        xb = _seq_first(tp_enter(x, ctx))                                  # [B, S_cp, D]
+        xb = _batch_first(tp_enter(x, ctx))                                # [B, S_cp, D]
         q, k, v, graw, blogit, gate = self.project(xb)
         heads = None
         if ctx.cp > 1:
@@ -109,8 +117,8 @@ class ParallelKDA(KimiDeltaAttention):
         o, _ = recomputed(self.mix, q, k, v, graw, blogit, heads, enabled=self.recompute)
         if ctx.cp > 1:
             o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
-        out = self.output(o, gate, xb.dtype)                               # partial sum over TP
-        return tp_exit(_seq_first(out).contiguous(), ctx)
+        o = self.gated(o, gate, xb.dtype)                                  # [B, S_cp, H_tp d]
+        return tp_exit(self.o_proj(_seq_first(o).contiguous()), ctx)       # partial sum over TP
 
 
 class ParallelMLA(GatedMLA):
@@ -134,14 +142,14 @@ class ParallelMLA(GatedMLA):
 
     def forward(self, x):
         ctx = self.ctx
-        xb = _seq_first(tp_enter(x, ctx))
+        xb = _batch_first(tp_enter(x, ctx))
         q, k, v = self.project_qkv(xb)                                     # [B, S_cp, H_tp, *]
         if ctx.cp > 1:
             q, k, v = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v))
         o = recomputed(self.attend, q, k, v, enabled=self.recompute)
         if ctx.cp > 1:
             o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
-        return tp_exit(_seq_first(self.output(o, xb)).contiguous(), ctx)
+        return tp_exit(self.o_proj(_seq_first(self.gated(o, xb)).contiguous()), ctx)
 
 
 class ParallelMLP(MLP):

@@ -298,11 +298,14 @@ class KimiDeltaAttention(nn.Module):
         o = o.to(acc_dtype(q))
         return fast(rms_norm, o)(o, self.o_norm.weight, self.o_norm.eps), state
 
+    def gated(self, o, gate, dtype):
+        """The output gate: o * sigmoid(gate); o, gate [B, T, H, d] -> [B, T, H d] in ``dtype``."""
+        B, T, H, d = o.shape
+        return fast(sigmoid_gate, o)(o, gate, dtype).reshape(B, T, H * d)
+
     def output(self, o, gate, dtype):
         """Gated output projection: o_proj(o * sigmoid(gate)); o, gate [B, T, H, d]."""
-        B, T, H, d = o.shape
-        o = fast(sigmoid_gate, o)(o, gate, dtype)
-        return self.o_proj(o.reshape(B, T, H * d))
+        return self.o_proj(self.gated(o, gate, dtype))
 
     def forward(self, x: torch.Tensor, initial_state=None, conv_caches=None, output_final_state: bool = False,
                 impl: str = "auto"):

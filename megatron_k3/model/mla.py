@@ -80,14 +80,17 @@ class GatedMLA(nn.Module):
         """Causal softmax attention over the full sequence: [B, T, h, *] -> [B, T, h, v_head_dim]."""
         return causal_attention(q, k, v, scale=(self.nope + self.rope) ** -0.5)
 
-    def output(self, o, x):
-        """Output gate and projection; o [B, T, H, v], x the layer input (for the gate)."""
+    def gated(self, o, x):
+        """The output gate (when the config has one): o [B, T, H, v] -> [B, T, H v]; x the layer input."""
         B, T = o.shape[:2]
         o = o.reshape(B, T, -1)
         if self.cfg.mla_use_output_gate:
-            g = self.g_proj(x)
-            o = fast(sigmoid_gate, o)(o, g, x.dtype)
-        return self.o_proj(o)
+            o = fast(sigmoid_gate, o)(o, self.g_proj(x), x.dtype)
+        return o
+
+    def output(self, o, x):
+        """Output gate and projection; o [B, T, H, v], x the layer input (for the gate)."""
+        return self.o_proj(self.gated(o, x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import Linear, RMSNorm, acc_dtype, normal_, scaled_init_std
+from .common import Linear, RMSNorm, acc_dtype, compile_enabled, compiled, normal_, scaled_init_std
 from .situ import glu_activation_stream
 
 
@@ -104,6 +104,75 @@ class _GroupedLinear(torch.autograd.Function):
 def grouped_linear(x: torch.Tensor, weights, offs: torch.Tensor) -> torch.Tensor:
     """``x`` [T, in] sorted by group, ``weights`` E tensors [out, in], ``offs`` int32 group ends -> [T, out]."""
     return _GroupedLinear.apply(x, offs, *weights)
+
+
+def gather_sum_reference(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[t] = y[rows[t, 0]] + y[rows[t, 1]] + ...`` for ``y`` [R, D] and ``rows`` [N, k] -> [N, D]: added
+    in slot order in fp32 (in ``y``'s dtype when that is wider) and cast back once."""
+    ct = acc_dtype(y)
+    g = y.index_select(0, rows.reshape(-1)).view(*rows.shape, y.shape[-1])
+    out = g[:, 0].to(ct)
+    for j in range(1, rows.shape[1]):
+        out = out + g[:, j].to(ct)
+    return out.to(y.dtype)
+
+
+def _gather_sum(y, rows, use_compiled: bool):
+    return (compiled(gather_sum_reference) if use_compiled else gather_sum_reference)(y, rows)
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """Token permutation for dropless top-k routing, without atomics. ``src`` [N k]: the token of each
+    permuted row; ``rows`` [N, k]: the permuted rows of each token (every token has exactly k)::
+
+        forward:  y[r] = x[src[r]]                      (gather)
+        backward: dx[t] = sum_j dy[rows[t, j]]          (gather + sum, instead of an atomic index_add)
+    """
+
+    @staticmethod
+    def forward(ctx, x, src, rows, use_compiled):
+        ctx.save_for_backward(rows)
+        ctx.use_compiled = use_compiled
+        return x.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (rows,) = ctx.saved_tensors
+        return _gather_sum(gy.contiguous(), rows, ctx.use_compiled), None, None, None
+
+
+class _UnpermuteTokens(torch.autograd.Function):
+    """The inverse of ``_PermuteTokens``, combining each token's k expert outputs::
+
+        forward:  out[t] = sum_j y[rows[t, j]]          (gather + sum, instead of zeros + atomic scatter_add)
+        backward: dy[r] = dout[src[r]]                  (gather)
+    """
+
+    @staticmethod
+    def forward(ctx, y, src, rows, use_compiled):
+        ctx.save_for_backward(src)
+        return _gather_sum(y, rows, use_compiled)
+
+    @staticmethod
+    def backward(ctx, gout):
+        (src,) = ctx.saved_tensors
+        return gout.index_select(0, src), None, None, None
+
+
+def token_permutation(src: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """``rows`` [N, k] for ``permute_tokens``/``unpermute_tokens`` from ``src`` (each permuted row's token):
+    the positions of each token's k rows, in permuted order (one stable sort, no host sync)."""
+    return torch.argsort(src, stable=True).view(num_tokens, top_k)
+
+
+def permute_tokens(x: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[src]`` [N k, D] with the atomic-free backward of ``_PermuteTokens``."""
+    return _PermuteTokens.apply(x, src, rows, compile_enabled(x))
+
+
+def unpermute_tokens(y: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each token's k rows of ``y`` summed [N, D] (``_UnpermuteTokens``)."""
+    return _UnpermuteTokens.apply(y, src, rows, compile_enabled(y))
 
 
 class MLP(nn.Module):

@@ -1,5 +1,6 @@
 """Run by tests/test_moe.py in a child process: at EP x TP = 1 the K3 MoE layers use
-``LocalAlltoAllDispatcher`` (no device-to-host copy or sync, no identity split/cat sort) and give bit-identical
+``LocalAlltoAllDispatcher`` (no device-to-host copy or sync, no identity split/cat sort, the atomic-free gather
+permutation instead of megatron's permute/unpermute) and give bit-identical
 loss and gradients to megatron's stock all-to-all dispatcher, which does copy/sync/sort. Then, through
 megatron's DDP: the grouped experts' fused weight-gradient accumulation (one add into the stacked
 ``main_grad`` view per projection, no ``.grad``) gives the same ``main_grad`` over two accumulated
@@ -21,9 +22,10 @@ from megatron_k3.megatron.experts import LocalAlltoAllDispatcher  # noqa: E402
 from megatron_k3.megatron.runtime import build_model_chunks, init_distributed  # noqa: E402
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
-calls = {"dtoh": 0, "sort": 0}
+calls = {"dtoh": 0, "sort": 0, "permute": 0}
 orig_dtoh = td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
 orig_sort = td.sort_chunks_by_idxs
+orig_permute, orig_unpermute = td.permute, td.unpermute
 
 
 def counting_dtoh(self, point, tokens_per_expert=None):
@@ -36,8 +38,16 @@ def counting_sort(*a, **k):
     return orig_sort(*a, **k)
 
 
+def counting(orig):
+    def f(*a, **k):
+        calls["permute"] += 1
+        return orig(*a, **k)
+    return f
+
+
 td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = counting_dtoh
 td.sort_chunks_by_idxs = counting_sort
+td.permute, td.unpermute = counting(orig_permute), counting(orig_unpermute)
 
 cfg = get_preset("k3-tiny")
 device = init_distributed(ParallelLayout(), seed=0)
@@ -62,8 +72,8 @@ for d in dispatchers:  # megatron's own dispatcher, same state
     d.__class__ = td.MoEAlltoAllTokenDispatcher
 stock = run()
 stock_calls = {k: calls[k] - local_calls[k] for k in calls}
-assert local_calls == {"dtoh": 0, "sort": 0}, local_calls
-assert stock_calls["dtoh"] > 0 and stock_calls["sort"] > 0, stock_calls
+assert local_calls == {"dtoh": 0, "sort": 0, "permute": 0}, local_calls  # the gather permutation instead
+assert stock_calls["dtoh"] > 0 and stock_calls["sort"] > 0 and stock_calls["permute"] > 0, stock_calls
 assert torch.equal(local[0], stock[0]), (local[0], stock[0])
 assert local[1].keys() == stock[1].keys() and len(local[1]) > 0
 for n in local[1]:
