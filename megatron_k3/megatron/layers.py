@@ -25,6 +25,7 @@ import dataclasses
 import functools
 
 import torch
+import torch.nn.functional as F
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -86,6 +87,18 @@ def recomputed(fn, *args, enabled: bool = False):
     return fn(*args)
 
 
+def fused_linears(x: torch.Tensor, mods) -> list[torch.Tensor]:
+    """``[m(x) for m in mods]`` for bias-free ``Linear`` modules as one GEMM on the concatenated weights
+    (megatron's fused QKV, keeping the release's separate parameters): x is read once, its gradient is one
+    GEMM instead of one per projection plus the additions of autograd, and the narrow projections (KDA's
+    beta: H outputs) do not run as GEMMs of their own. The outputs are column slices of one tensor. Modules
+    of another type (Transformer Engine's under FP8: ``precision.py``) run one by one."""
+    if not all(type(m) is Linear for m in mods):
+        return [m(x) for m in mods]
+    y = F.linear(x, torch.cat([m.weight for m in mods]))
+    return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
+
+
 # ---------------------------------------------------------------------------------------------------------
 class ParallelKDA(KimiDeltaAttention):
     """KDA on ``H / TP`` heads per rank; CP by head-wise all-to-all."""
@@ -105,6 +118,17 @@ class ParallelKDA(KimiDeltaAttention):
         mark_tp(self.o_proj.weight, 1)
         mark_tp_partial(self.f_a_proj.weight)
         mark_tp_partial(self.o_norm.weight)
+
+    def project(self, x):
+        """The golden ``project`` with the six projections of x as one GEMM (``fused_linears``)."""
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        full = self.cfg.use_full_rank_gate
+        q, k, v, fa, blogit, g = fused_linears(x, [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                                   self.g_proj if full else self.g_a_proj])
+        gate = g if full else self.g_b_proj(g)
+        return (q.view(B, T, H, d), k.view(B, T, H, d), v.view(B, T, H, d), self.f_b_proj(fa).view(B, T, H, d),
+                blogit, gate.view(B, T, H, d))
 
     def forward(self, x):  # [s, B, D]
         ctx = self.ctx
