@@ -21,21 +21,22 @@ the embedding, the last the final mix/norm and ``lm_head``.
 
 **Activations** saved for backward per micro-batch, with N = B*S/CP local tokens, h = heads/TP,
 p = h*d (KDA), Tn = N/TP under sequence parallelism else N (the per-token replicated parts), Tm = N/TP
-when TP > 1 else N (MoE tokens; megatron's MoE shards tokens over TP), c = 6 saved copies of the layer
-input in KDA (3 in MLA) when B > 1 (each projection of a ``[B, S, D]`` view of the sequence-first hidden
-state makes its own contiguous copy, which its matmul saves; with B = 1 the view is contiguous: c = 1):
+when TP > 1 else N (MoE tokens; megatron's MoE shards tokens over TP). The token mixers save one
+batch-first copy of the layer input (``megatron.layers._batch_first``), shared by their projections; KDA's
+six projections of it are one GEMM (``fused_linears``) over P = 3p + d + h + (p or d) outputs, whose
+concatenated weight (a P D, per layer) is saved and whose output stays alive through its column slices:
 
     RMSNorm(w) of a bf16 input         Tn (8w + 4)        fp32 copy, normalised copy, rstd
     AttnRes mix over n candidates      Tn (4nD + 12n)     fp32 stack V, rstd, dot with the query, softmax
         (per layer: before attention n = blocks + 1 if any block exists; before the FFN n = blocks + 1,
         + 1 at a snapshot layer; the final output mix n = blocks + 1; blocks = ceil(layer / block size))
-    KDA   inputs  N (c a D + a d + a p)                   q/k/v/f_a/b/g projections, f_b, o_proj
+    KDA   inputs  N (a D + a P + a p) + a P D             x, the fused projection output, o_proj input; weight
           convs   N 3 * 4p ((S + K - 1)/S + 1)            fp32 padded input and conv output (SiLU)
           fla chunk_kda (0.6.0 saves, ``ChunkKDAFunction``):
-                  N (3ap + ap + 8h + ah + 4h + 2ahC)      l2-normed q, k, v; gate input; q/k rstd;
-                                                          beta logits and sigmoid; Aqk, Akk [.., h, C]
+                  N (3ap + ap + 8h + 4h + 2ahC)           l2-normed q, k, v; gate input; q/k rstd;
+                                                          beta sigmoid (its logits: in P); Aqk, Akk
           output  N (16p + 4h)                            o_norm fp32 in/normed/out, sigmoid(gate), rstd
-    MLA   inputs  N c a D + N (8 rq + 4 + a rq + 8 rkv + 4 + a rkv) + N a h v (o_proj)
+    MLA   inputs  N a D + N (8 rq + 4 + a rq + 8 rkv + 4 + a rkv) + N a h v (o_proj)
           core    N (2ah(dn + dr) + ah(dn + dv) + ahv + 4h ceil32(S)/S)   memory-efficient SDPA saves
                                                           q, k, the kv tensor v views, out, logsumexp
           gate    N 8hv                                   fp32 output, sigmoid(g_proj x)
@@ -52,7 +53,7 @@ state makes its own contiguous copy, which its matmul saves; with B = 1 the view
     embedding N 9 (ids, mask); head: final mix + norm, CE input a D N, targets 8 N; pipeline stages keep
           their received and sent states (blocks + 1) a D Tn per micro-batch in flight
 
-Selective recompute keeps only the inputs of the recomputed cores (KDA: 4ap + ah and the 8p output
+Selective recompute keeps only the inputs of the recomputed cores (KDA: graw, ap, beside P, and the 8p output
 stage; MLA: q, k, kv; SiTU: its bf16 input); full recompute keeps a D Tn per layer plus one layer's
 activations while it is recomputed. Micro-batches in flight (1F1B): PP - stage on stage ``stage``;
 interleaved: 2 (PP - 1 - stage) + (VPP - 1) PP + 1 model chunks (each 1/VPP of the stage's layers).
@@ -64,9 +65,12 @@ Peak = static + in-flight activations + transient, compared with the GPU's capac
 
 The derivation is checked against saved-tensor bytes measured with autograd hooks
 (``measure_saved_activations``): on CPU with stand-ins that save exactly what fla's ``chunk_kda`` and the
-memory-efficient SDPA kernel save (``tests/test_plan.py``: every component within 0.1%), on an H200 with
-the real kernels (k3-mini, 1 x 4096: -0.006%), and against measured peaks (k3-mini, 1 x H200, 4 x 4096:
-the committed benchmark 104.8 GiB vs 103.8 planned; with the streaming SiTU op 85.1 vs 84.3).
+memory-efficient SDPA kernel save (``tests/test_plan.py``, tolerance 5% per component and 2% in total;
+2026-12-02: KDA exact, MLA -0.03%, MoE -0.8% (the gather permutation's index tensors), AttnRes -0.3 to -0.7%,
+total -0.3 to -0.5%). Before the 2026-12-02 glue cuts (batch-first copy, fused KDA projections, gather
+permutation) it was also checked on an H200 with the real kernels (k3-mini, 1 x 4096: -0.006%) and against
+measured peaks (k3-mini, 1 x H200, 4 x 4096: the committed benchmark 104.8 GiB vs 103.8 planned; with the
+streaming SiTU op 85.1 vs 84.3); not re-checked on the GPU since.
 """
 from __future__ import annotations
 
@@ -279,16 +283,17 @@ def kda_bytes(cfg: K3Config, g: Geometry) -> dict:
     h = cfg.kda_num_heads / g.tp
     p = h * d
     C, K, S = cfg.kda_chunk_size, cfg.short_conv_kernel_size, g.S
-    n_in = 6  # q, k, v, f_a, b, g (or g_a)
-    inputs = N * ((n_in if g.B > 1 else 1) * a * D + a * d + a * p)
-    if not cfg.use_full_rank_gate:
-        inputs += N * a * d  # g_b_proj input
+    # the six projections of x run as one GEMM (megatron.layers.fused_linears): x (one batch-first copy) and
+    # the concatenated weight are saved, and the column slices f_a / g_a / gate / beta logits (and q, k, v)
+    # keep the whole projection output alive
+    width = 3 * p + d + h + (p if cfg.use_full_rank_gate else d)
+    inputs = N * (a * D + a * width + a * p) + a * width * D   # x, projection output, o_proj input; weight
     if g.recompute == "selective":
-        core = N * (4 * a * p + a * h)              # mix inputs q, k, v, graw, beta logits
+        core = N * a * p                            # mix input graw (q, k, v, beta logits: in the output)
         out = N * 8 * p                             # fp32 mix output (saved by the gate product) + sigmoid
         return {"kda_inputs": inputs, "kda_core": core, "kda_output": out}
     conv = N * 3 * 4 * p * ((S + K - 1) / S + 1)
-    fla = N * (3 * a * p + a * p + 8 * h + a * h + 4 * h + 2 * a * h * C)
+    fla = N * (3 * a * p + a * p + 8 * h + 4 * h + 2 * a * h * C)  # beta logits: in the projection output
     out = N * (16 * p + 4 * h)
     return {"kda_inputs": inputs, "kda_conv": conv, "kda_core": fla, "kda_output": out}
 
@@ -297,8 +302,7 @@ def mla_bytes(cfg: K3Config, g: Geometry) -> dict:
     a, N, D = g.a, g.N, cfg.hidden_size
     h = cfg.num_attention_heads / g.tp
     dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    n_in = 2 + (1 if cfg.mla_use_output_gate else 0)
-    inputs = N * ((n_in if g.B > 1 else 1) * a * D + a * h * dv)
+    inputs = N * (a * D + a * h * dv)  # x (one batch-first copy, shared by the projections), o_proj input
     if cfg.q_lora_rank is not None:
         inputs += N * (8 * cfg.q_lora_rank + 4 + a * cfg.q_lora_rank)
     inputs += N * (8 * cfg.kv_lora_rank + 4 + a * cfg.kv_lora_rank)
