@@ -440,9 +440,7 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
     out["other"] = 0.0
     kernels = {k: [] for k in out}  # kind -> [(seconds, calls, name)]
     for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0.0)
+        t = _self_device_us(e)
         if not t or e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False) or "#" in e.key:
             continue
         name = e.key.lower()
@@ -453,20 +451,20 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
     top = {k: [{"s": round(t, 5), "calls": c, "kernel": n} for t, c, n in sorted(v, reverse=True)[:top_n]]
            for k, v in kernels.items() if v}
     ops = []
-    try:
-        grouped = prof.key_averages(group_by_input_shape=True)
-    except Exception:  # noqa: BLE001  (shapes not recorded)
-        grouped = []
-    for e in grouped:
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0.0)
+    for e in prof.key_averages(group_by_input_shape=True):
+        t = _self_device_us(e)
         if t and e.device_type.name == "CPU" and e.key.startswith("aten::"):
             ops.append((t / 1e6, e.count, e.key, str(getattr(e, "input_shapes", ""))[:160]))
     return {"device_busy_s": total, "by_kind_s": {k: round(v, 5) for k, v in out.items()},
             "kernel_launches": sum(c for v in kernels.values() for _, c, _ in v), "top_by_kind": top,
             "top_ops": [{"s": round(t, 5), "calls": c, "op": n, "shapes": sh}
                         for t, c, n, sh in sorted(ops, reverse=True)[:top_ops]]}
+
+
+def _self_device_us(e) -> float:
+    """A profiler average's self device time in microseconds (``self_cuda_time_total`` in older torch)."""
+    t = getattr(e, "self_device_time_total", None)
+    return getattr(e, "self_cuda_time_total", 0.0) if t is None else t
 
 
 def seed_baseline(cfg, B, S, device, dtype, warmup, steps):

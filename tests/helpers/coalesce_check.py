@@ -1,4 +1,4 @@
-"""Run by tests/test_runtime.py in a child process: k3-tiny in bf16 with megatron's fp32-master optimizer,
+"""Run by tests/test_compat.py in a child process: k3-tiny in bf16 with megatron's fp32-master optimizer,
 once as megatron builds it and once with ``coalesce_float16_params`` (the bf16 parameters and fp32 masters
 in two flat buffers, one copy kernel per step). Three steps on the same data give bit-identical parameters,
 masters and losses, and the coalesced copy is one ``copy_`` of the flat buffers."""
