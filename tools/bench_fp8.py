@@ -98,7 +98,7 @@ def run_recipe(recipe, cfg, batches, device, dtype, warmup, lr):
     B, S = batches[0][0].shape
     step = megatron_step(ddp, opt, make_forward_step(), B, S)
     cuda = device.type == "cuda"
-    times, outs, _ = time_steps(step, batches, device, warmup)
+    times, outs, _ = time_steps(step, [[b] for b in batches], device, warmup)  # one micro-batch a step
     losses = [float(o[0]["lm_sum"]) / float(o[0]["n"]) for o in outs]
     if not all(np.isfinite(losses)):
         raise FloatingPointError(f"non-finite loss with {recipe}")

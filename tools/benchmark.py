@@ -2,10 +2,15 @@
 """Training-throughput benchmark of the megatron K3 model, with a seed-style baseline in the same run.
 
     python tools/benchmark.py --preset k3-mini --bf16 --micro-batch-size 4 --seq-length 4096 --out R.json
+    python tools/benchmark.py ... --global-batch-size 32    # 8 micro-batches of 4 per step (gradient accumulation)
     python tools/benchmark.py --smoke            # CPU: k3-tiny, a few steps (checks the harness runs)
 
-Times full training steps (forward, backward, gradient finalisation, AdamW step) after warm-up
-(synchronised wall clock around each step) and reports the median step time, tokens/s, MFU and peak memory.
+Times full training steps (forward and backward of every micro-batch of the global batch, gradient
+finalisation, AdamW step) after warm-up (synchronised wall clock around each step) and reports the median step
+time, tokens/s, MFU and peak memory. ``--global-batch-size`` (megatron's name; default one micro-batch per rank)
+accumulates gradients over ``global / (micro x ranks)`` micro-batches per step, as a training run does, so the
+optimizer step, the gradient norm and megatron's per-step host work are spread over that many micro-batches;
+every baseline accumulates over the same micro-batches.
 In the same process it then times the **seed-style baseline** (``--baselines seed``): the golden
 plain-PyTorch ``K3ForCausalLM`` on one device as a careful single-GPU user would run it (bf16 weights, fla
 ``chunk_kda`` on CUDA, grouped-GEMM experts, chunked cross-entropy, fused AdamW, and on CUDA the same
@@ -46,6 +51,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="k3-mini")
     ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--global-batch-size", type=int, default=None,
+                    help="sequences per optimizer step over all ranks (default: micro-batch x ranks, i.e. one "
+                         "micro-batch per step); must be a multiple of micro-batch x ranks")
     ap.add_argument("--seq-length", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
@@ -93,12 +101,15 @@ def main():
     check_fp8_here(args.fp8_recipe, None, args.recompute_granularity)
     cfg = get_preset(args.preset, seq_length=args.seq_length)
     layout = ParallelLayout(ep=args.expert_model_parallel_size, dp=world)
-    layout.validate(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, world_size=world)
+    args.global_batch_size = args.global_batch_size or args.micro_batch_size * world
+    layout.validate(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    global_batch_size=args.global_batch_size, world_size=world)
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * world)
     check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe, bf16=args.bf16)
     device = init_distributed(layout, seed=0)
     use_graph_stream(args.cuda_graph_impl)  # before any model: the eager K3 baseline then runs on it too
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    B, S = args.micro_batch_size, args.seq_length
+    B, S, M = args.micro_batch_size, args.seq_length, args.num_microbatches
     cuda = device.type == "cuda"
     k3 = k3_run(cfg, layout, args, args.cuda_graph_impl, device, dtype, rank, profile_path=args.profile)
     if args.out and rank == 0:  # the K3 measurement survives a baseline that runs out of time or memory
@@ -117,7 +128,7 @@ def main():
                 baselines[name] = b
             else:
                 fn = {"seed": seed_baseline, "gptmodel": gptmodel_baseline}[name]
-                baselines[name] = fn(cfg, B, S, device, dtype, args.warmup, args.steps)
+                baselines[name] = fn(cfg, B, S, M, device, dtype, args.warmup, args.steps)
         except Exception as e:  # noqa: BLE001  (report, do not lose the K3 measurement)
             import traceback
 
@@ -128,7 +139,7 @@ def main():
                 json.dump(baselines, f)
     info = model_info(cfg)
     med = k3["median_step_s"]
-    tps = B * S / med
+    tps = M * B * S / med
     fpt = flops_per_token(cfg, S, info["active_params"])
     rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -136,7 +147,8 @@ def main():
         "command": " ".join((["torchrun", "--nproc-per-node", str(world)] if world > 1 else ["python"])
                             + ["tools/benchmark.py"] + sys.argv[1:]),
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
-        "micro_batch_size": B, "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
+        "micro_batch_size": B, "global_batch_size": args.global_batch_size, "num_microbatches": M, "seq_length": S,
+        "dtype": str(dtype).replace("torch.", ""),
         "world_size": world, "layout": layout.describe(), "tokens_per_s_all_gpus": world * tps,
         "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": k3["build_and_init_s"],
         "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": k3["graph_capture_s"],
@@ -149,7 +161,7 @@ def main():
     }
     for name, b in baselines.items():
         if "median_step_s" in b:
-            b["tokens_per_s"] = B * S / b["median_step_s"]
+            b["tokens_per_s"] = M * B * S / b["median_step_s"]
             b["mfu_vs_989_tflops"] = b["tokens_per_s"] * fpt / H200_BF16_DENSE if cuda else None
             rep[f"speedup_vs_{name}"] = b["median_step_s"] / med
     if rank == 0:
@@ -161,8 +173,8 @@ def main():
 
 def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile_path=None) -> dict:
     """Build the megatron K3 model (golden init), optionally capture its layers as CUDA graphs, train
-    ``args.warmup + args.steps`` steps of ``args.micro_batch_size`` x ``args.seq_length`` tokens and, on CUDA,
-    one profiled step. Returns the measurement; the model is freed on return so a baseline can follow in the
+    ``args.warmup + args.steps`` steps of ``args.num_microbatches`` micro-batches of ``args.micro_batch_size`` x
+    ``args.seq_length`` tokens and, on CUDA, one profiled step. Returns the measurement; the model is freed on return so a baseline can follow in the
     same process."""
     from megatron_k3.megatron import adapter
     from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays
@@ -172,7 +184,7 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
     from megatron_k3.precision import resolve
 
     cuda = device.type == "cuda"
-    B, S = args.micro_batch_size, args.seq_length
+    B, S, M = args.micro_batch_size, args.seq_length, args.num_microbatches
     t0 = time.time()
     chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
                                          recompute=args.recompute_granularity, **resolve(args.fp8_recipe, None))
@@ -196,7 +208,7 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
             graph_error = {"error": f"{type(e).__name__}: {e}"[:800], "where": traceback.format_exc().splitlines()[-12:]}
             progress(f"capture failed, timing the eager model instead: {graph_error['error']}")
     train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
-    times, outs, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, args.warmup + args.steps,
+    times, outs, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, M, args.warmup + args.steps,
                                                                seed=rank), device, args.warmup)
     losses = [float(sum(d["lm_sum"] for d in o) / sum(d["n"] for d in o)) for o in outs if o]
     breakdown = None
@@ -206,7 +218,7 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts, record_shapes=cuda) as prof:
             t1 = time.perf_counter()
-            train_step(*batch)
+            train_step(batch)
             if cuda:
                 torch.cuda.synchronize()
             prof_wall = time.perf_counter() - t1
@@ -230,27 +242,32 @@ def progress(msg: str):
     print(f"[benchmark{r} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def random_batches(vocab: int, B: int, S: int, n: int, seed: int = 0):
-    """``n`` random (tokens, labels) batches [B, S] on the CPU, the same in every run (``seed``: the rank)."""
+def random_batches(vocab: int, B: int, S: int, M: int, n: int, seed: int = 0):
+    """``n`` steps' data: each a list of ``M`` random (tokens, labels) micro-batches [B, S] on the CPU, the same in
+    every run (``seed``: the rank)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        t = torch.randint(0, vocab, (B, S + 1), generator=g)
-        out.append((t[:, :-1], t[:, 1:]))
+        step = []
+        for _ in range(M):
+            t = torch.randint(0, vocab, (B, S + 1), generator=g)
+            step.append((t[:, :-1], t[:, 1:]))
+        out.append(step)
     return out
 
 
 def time_steps(step, batches, device, warmup: int):
-    """Seconds per ``step(tokens, labels)`` over ``batches`` (CPU tensors, moved to ``device``), synchronised
-    around each step, leaving out the first ``warmup``. Returns (times, the steps' outputs, the last batch)."""
+    """Seconds per ``step(micro_batches)`` over ``batches`` (lists of (tokens, labels) CPU tensors, moved to
+    ``device`` first), synchronised around each step, leaving out the first ``warmup``. Returns (times, the
+    steps' outputs, the last step's micro-batches)."""
     cuda = device.type == "cuda"
     times, outs = [], []
-    for i, (tok, lab) in enumerate(batches):
-        batch = (tok.to(device), lab.to(device))
+    for i, micro in enumerate(batches):
+        batch = [(tok.to(device), lab.to(device)) for tok, lab in micro]
         if cuda:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        outs.append(step(*batch))
+        outs.append(step(batch))
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t1
@@ -270,17 +287,19 @@ def write_report(rep: dict, out: str | None):
 
 
 def megatron_step(ddp, opt, forward_step, B: int, S: int):
-    """One training step of a DDP-wrapped megatron model (one micro-batch) through megatron's schedule; returns
-    the schedule's loss dicts (``lm_sum``, ``n``, ...)."""
+    """One training step of a DDP-wrapped megatron model over a list of (tokens, labels) micro-batches through
+    megatron's schedule (gradients accumulated in ``main_grad``, one optimizer step); returns the schedule's
+    loss dicts (``lm_sum``, ``n``, ...), one per micro-batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
 
-    def step(tokens, labels):
+    def step(micro_batches):
         ddp[0].zero_grad_buffer()
         opt.zero_grad()
-        out = fb(forward_step_func=forward_step, data_iterator=iter([{"tokens": tokens, "labels": labels}]),
-                 model=ddp[0], num_microbatches=1, seq_length=S, micro_batch_size=B, forward_only=False)
+        data = iter([{"tokens": t, "labels": y} for t, y in micro_batches])
+        out = fb(forward_step_func=forward_step, data_iterator=data, model=ddp[0],
+                 num_microbatches=len(micro_batches), seq_length=S, micro_batch_size=B, forward_only=False)
         opt.step()
         return out  # megatron's per-micro-batch loss dicts
 
@@ -360,26 +379,26 @@ class SDPACoreAttention(torch.nn.Module):
         return o.permute(2, 0, 1, 3).reshape(S, B, -1)
 
 
-def gptmodel_baseline(cfg, B, S, device, dtype, warmup, steps):
+def gptmodel_baseline(cfg, B, S, M, device, dtype, warmup, steps):
     """megatron-core ``GPTModel`` of the same shape, trained through the same DDP, optimizer and schedule
     as the K3 model (see ``gptmodel_config``): with its fusions on when TE is there; if that build or run
     fails, without them (the error is kept in the result)."""
     fused = have_te() and device.type == "cuda"
     if fused:
         try:
-            return _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions=True)
+            return _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions=True)
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"[:400]
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            rec = _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions=False)
+            rec = _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions=False)
             rec["fusions_error"] = err
             return rec
-    return _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions=False)
+    return _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions=False)
 
 
-def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
+def _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -409,8 +428,8 @@ def _gptmodel_run(cfg, B, S, device, dtype, warmup, steps, fusions: bool):
         out = m(b["tokens"], pos, None, labels=b["labels"])
         return out, lambda o: (o.float().mean(), {})
 
-    times, _, _ = time_steps(megatron_step(ddp, opt, fwd, B, S), random_batches(cfg.vocab_size, B, S, warmup + steps),
-                             device, warmup)
+    times, _, _ = time_steps(megatron_step(ddp, opt, fwd, B, S),
+                             random_batches(cfg.vocab_size, B, S, M, warmup + steps), device, warmup)
     return {"what": f"megatron-core GPTModel, {'TE spec, grouped-GEMM experts, latent MoE' if te else 'local spec (no TE)'}"
                     f", MLA (RoPE) + SwiGLU, same width/depth/heads/experts/vocab, same DDP + optimizer",
             "transformer_engine": te, "fusions": GPTMODEL_FUSIONS if (te and cuda and fusions) else None,
@@ -467,8 +486,9 @@ def _self_device_us(e) -> float:
     return getattr(e, "self_cuda_time_total", 0.0) if t is None else t
 
 
-def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
-    """The golden model trained the way a careful single-GPU user would (see the module docstring)."""
+def seed_baseline(cfg, B, S, M, device, dtype, warmup, steps):
+    """The golden model trained the way a careful single-GPU user would (see the module docstring), accumulating
+    the gradients of ``M`` micro-batches per step."""
     from megatron_k3.model import K3ForCausalLM
 
     model = K3ForCausalLM(cfg, seed=0)
@@ -477,13 +497,14 @@ def seed_baseline(cfg, B, S, device, dtype, warmup, steps):
     model.to(device).train()
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
-    def step(tokens, labels):
-        model(tokens, labels)["loss"].backward()
+    def step(micro_batches):
+        for tokens, labels in micro_batches:
+            (model(tokens, labels)["loss"] / len(micro_batches)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, _, _ = time_steps(step, random_batches(cfg.vocab_size, B, S, warmup + steps), device, warmup)
+    times, _, _ = time_steps(step, random_batches(cfg.vocab_size, B, S, M, warmup + steps), device, warmup)
     glue = "compiled glue (AttnRes, norms, gates, short convs)" if os.environ.get("K3_COMPILE", "1") != "0" else "eager"
     return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
                     f"fused AdamW, {glue}", "step_times_s": times, "median_step_s": statistics.median(times),

@@ -284,7 +284,7 @@ def check_layer_graphs(cfg, report):
         losses = []
         for t in batches:
             step = megatron_step(ddp, opt, make_forward_step(), t.shape[0], S)
-            d = step(t[:, :-1].to(device), t[:, 1:].to(device))[0]
+            d = step([(t[:, :-1].to(device), t[:, 1:].to(device))])[0]
             losses.append((d["lm_sum"] / d["n"]).item())
         replays = layer_graph_replays(chunks)
         params = {n: p.detach().float().cpu().clone() for n, p in chunks[0].named_parameters()}
