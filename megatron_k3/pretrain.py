@@ -226,16 +226,25 @@ def default_data(cfg):
 
 
 def ensure_default_store(store, tok):
+    """Build the default store once. Each builder writes its own temporary directory and renames it into
+    place, so two processes that start at the same time (two jobs, two test workers) never write into one
+    directory; the second rename finds the store there and its copy is dropped."""
     if os.path.exists(os.path.join(store, "zarr.json")):
         return
+    import shutil
+    import socket
+
     from .data.prepare import prepare
 
-    tmp = store + ".tmp"
-    import shutil
-
+    tmp = f"{store}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     prepare([os.path.join(DEFAULT_DATA, "corpus")], tok, tmp, workers=2, progress=False)
-    os.replace(tmp, store)
+    try:
+        os.replace(tmp, store)
+    except OSError:  # another builder's rename came first (a directory is not replaced when non-empty)
+        if not os.path.exists(os.path.join(store, "zarr.json")):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------------

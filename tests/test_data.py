@@ -182,3 +182,26 @@ def test_dali_backend_yields_the_same_batches(store):
         for x, y in zip(a, b):
             assert x["tokens"].equal(y["tokens"]) and x["labels"].equal(y["labels"])
     assert dali.state_dict() == ref.state_dict()
+
+
+def test_default_store_built_by_two_processes_at_once(root, tmp_path):
+    """Two trainers (or two test workers) that start together both build the default store: each writes its own
+    temporary directory and renames it into place; the store is complete and no temporary copy is left."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom megatron_k3.config import get_preset\n"
+            "from megatron_k3.pretrain import default_data, ensure_default_store\n"
+            "if __name__ == '__main__':\n"
+            "    ensure_default_store(sys.argv[1], default_data(get_preset('k3-tiny'))[1])\n")
+    script = tmp_path / "build.py"
+    script.write_text(code)
+    store = tmp_path / "s.zarr"
+    env = {**__import__("os").environ, "PYTHONPATH": root}
+    procs = [subprocess.Popen([sys.executable, str(script), str(store)], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build.py", "s.zarr"]
+    tokens, _, manifest = open_store(store)
+    assert tokens.shape[0] > 100_000 and manifest["tokenizer"]["vocab_size"] == 512
