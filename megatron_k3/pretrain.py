@@ -399,7 +399,7 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
 
     from .data.dali import make_loader
     from .megatron import adapter
-    from .megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads, init_distributed,
+    from .megatron.runtime import (build_model_chunks, build_optimizer, init_distributed,
                                    make_forward_step, wrap_ddp)
     from .metrics import MetricsLogger, routing_stats
     from .model import K3ForCausalLM, hf_shapes
@@ -428,8 +428,6 @@ def train(args, cfg, layout, warm, lr_at, pad_id):
         adapter.load_hf_state_dict(c, golden_sd, ps.get_tensor_model_parallel_rank())
     del golden_sd
     ddp = wrap_ddp(chunks, tconfig, args.use_distributed_optimizer)
-    tconfig.finalize_model_grads_func = finalize_k3_grads
-    tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
     if args.optimizer == "muon":
         from .megatron.runtime import build_muon, grad_norm_fp32
         from .optim import clip_coefficient

@@ -123,7 +123,7 @@ def _worker(rank, world, port, tmpdir, cfg_dict, layouts, args_dict):
 
     from .config import K3Config
     from .megatron import adapter
-    from .megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads, init_distributed,
+    from .megatron.runtime import (build_model_chunks, build_optimizer, init_distributed,
                                    make_forward_step, wrap_ddp)
 
     args = SimpleNamespace(**args_dict)
@@ -142,12 +142,10 @@ def _worker(rank, world, port, tmpdir, cfg_dict, layouts, args_dict):
         for c in chunks:
             adapter.load_hf_state_dict(c, init_sd, tp_rank)
         ddp = wrap_ddp(chunks, tconfig, distopt)
-        tconfig.finalize_model_grads_func = finalize_k3_grads
         if os.environ.get("K3_VERIFY_FAULT") == "skip_tp_partial_sum":  # self-test: the check must catch this
             from megatron.core.distributed import finalize_model_grads
 
             tconfig.finalize_model_grads_func = finalize_model_grads
-        tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
         if args.optimizer == "muon":
             from .megatron.runtime import build_muon, grad_norm_fp32
             from .optim import clip_coefficient

@@ -80,7 +80,7 @@ def run_recipe(recipe, cfg, batches, device, dtype, warmup, lr):
 
     from megatron_k3.layout import ParallelLayout
     from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import build_model_chunks, build_optimizer, finalize_k3_grads, make_forward_step
+    from megatron_k3.megatron.runtime import build_model_chunks, build_optimizer, make_forward_step
     from megatron_k3.megatron.runtime import wrap_ddp
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.precision import check_fp8_here, resolve
@@ -92,8 +92,6 @@ def run_recipe(recipe, cfg, batches, device, dtype, warmup, lr):
     adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
     n_te = sum(type(m).__name__ == "TELinear" for m in chunks[0].modules())
     ddp = wrap_ddp(chunks, tconfig)
-    tconfig.finalize_model_grads_func = finalize_k3_grads
-    tconfig.no_sync_func = ddp[0].no_sync
     opt = build_optimizer(ddp, lr=lr, bf16=dtype == torch.bfloat16)
     B, S = batches[0][0].shape
     step = megatron_step(ddp, opt, make_forward_step(), B, S)

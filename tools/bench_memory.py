@@ -384,7 +384,7 @@ def bench_train(args, device):
     from megatron_k3.config import get_preset
     from megatron_k3.layout import ParallelLayout
     from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
+    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
                                               make_forward_step, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.offload import build_host_stream_optimizer, proc_status_bytes
@@ -396,8 +396,6 @@ def bench_train(args, device):
     chunks, tconfig = build_model_chunks(cfg, ParallelLayout(), params_dtype=dtype, device=device)
     adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
     ddp = wrap_ddp(chunks, tconfig)
-    tconfig.finalize_model_grads_func = finalize_k3_grads
-    tconfig.no_sync_func = ddp[0].no_sync
     n_params = sum(p.numel() for p in chunks[0].parameters())
     fb = get_forward_backward_func()
     B, S, M = args.train_micro_batch, args.train_seq, args.train_micro_batches

@@ -178,7 +178,7 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
     same process."""
     from megatron_k3.megatron import adapter
     from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
+    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
                                               make_forward_step, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.precision import resolve
@@ -191,8 +191,6 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
     adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
     build_s = time.time() - t0
     ddp = wrap_ddp(chunks, tconfig)
-    tconfig.finalize_model_grads_func = finalize_k3_grads
-    tconfig.no_sync_func = ddp[0].no_sync
     opt = build_optimizer(ddp, lr=1e-4, bf16=args.bf16)
     progress(f"K3 model built and initialised in {build_s:.1f} s (layer graphs: {graph_impl})")
     capture_s = graph_error = None
@@ -419,7 +417,9 @@ def _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions: bool):
         model = Float16Module(tc, model)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = wrap_ddp([model], tc)
+    from megatron.core.distributed import finalize_model_grads
+
+    ddp = wrap_ddp([model], tc, finalize_grads=finalize_model_grads)  # what Megatron-LM's pretrain_gpt sets
     opt = build_optimizer(ddp, lr=1e-4, bf16=dtype == torch.bfloat16)
     pos = torch.arange(S, device=device).unsqueeze(0).expand(B, S)
 
@@ -431,7 +431,8 @@ def _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions: bool):
     times, _, _ = time_steps(megatron_step(ddp, opt, fwd, B, S),
                              random_batches(cfg.vocab_size, B, S, M, warmup + steps), device, warmup)
     return {"what": f"megatron-core GPTModel, {'TE spec, grouped-GEMM experts, latent MoE' if te else 'local spec (no TE)'}"
-                    f", MLA (RoPE) + SwiGLU, same width/depth/heads/experts/vocab, same DDP + optimizer",
+                    f", MLA (RoPE) + SwiGLU, same width/depth/heads/experts/vocab, same DDP + optimizer, "
+                    "megatron's finalize_model_grads",
             "transformer_engine": te, "fusions": GPTMODEL_FUSIONS if (te and cuda and fusions) else None,
             "params": n_params, "step_times_s": times,
             "median_step_s": statistics.median(times),

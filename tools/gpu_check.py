@@ -257,7 +257,7 @@ def check_layer_graphs(cfg, report):
     from megatron_k3.megatron import adapter
     from megatron_k3.megatron.graphs import (capture_layer_graphs, check_cuda_graphs, layer_graph_replays,
                                             use_graph_stream)
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
+    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
                                               init_distributed, make_forward_step, moe_routers, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
 
@@ -277,8 +277,6 @@ def check_layer_graphs(cfg, report):
         chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dt, device=device)
         adapter.load_hf_state_dict(chunks[0], sd, 0)
         ddp = wrap_ddp(chunks, tconfig)
-        tconfig.finalize_model_grads_func = finalize_k3_grads
-        tconfig.no_sync_func = ddp[0].no_sync
         opt = build_optimizer(ddp, lr=1e-3, bf16=True)
         captured = capture_layer_graphs(chunks, ddp, B, S) if mode == "graphs" else 0
         losses = []

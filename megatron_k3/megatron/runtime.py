@@ -91,7 +91,10 @@ def keep_fp32(chunks):
                 m.expert_bias.data = m.expert_bias.data.float()
 
 
-def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False):
+def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False, finalize_grads=None):
+    """megatron's DDP around each chunk, ready for megatron's schedules: ``tconfig`` gets the gradient
+    finalisation (``finalize_grads``, default ``finalize_k3_grads``; megatron's ``finalize_model_grads`` for a
+    model that is not K3) and DDP's ``no_sync`` for the micro-batches before the last."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -105,6 +108,8 @@ def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False):
                 if isinstance(m, GroupedExperts):
                     for p in m.parameters():
                         p.k3_fuse_wgrad = True
+    tconfig.finalize_model_grads_func = finalize_grads or finalize_k3_grads
+    tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
     return ddp
 
 

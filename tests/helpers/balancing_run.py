@@ -23,7 +23,7 @@ def worker(rank, world, port, mode, out):
     from megatron_k3.config import get_preset
     from megatron_k3.layout import ParallelLayout
     from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
+    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
                                               init_distributed, make_forward_step, moe_routers, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
 
@@ -46,8 +46,6 @@ def worker(rank, world, port, mode, out):
 
         r.register_forward_hook(hook)
     ddp = wrap_ddp(chunks, tconfig)
-    tconfig.finalize_model_grads_func = finalize_k3_grads
-    tconfig.no_sync_func = ddp[0].no_sync
     opt = build_optimizer(ddp, lr=1e-3)
     fb = get_forward_backward_func()
     g = torch.Generator().manual_seed(100 + rank)

@@ -15,7 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,  # noqa: E402
+from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
                                           init_distributed, make_forward_step, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
@@ -30,7 +30,6 @@ def train(coalesce: bool):
     chunks, tconfig = build_model_chunks(cfg, ParallelLayout(), params_dtype=torch.bfloat16, device=device)
     adapter.load_hf_state_dict(chunks[0], golden, 0)
     ddp = wrap_ddp(chunks, tconfig)
-    tconfig.finalize_model_grads_func = finalize_k3_grads
     opt = build_optimizer(ddp, lr=1e-2, bf16=True, coalesce=coalesce)
     inners = getattr(opt, "chained_optimizers", [opt])  # megatron chains dense and expert parameters
     flats = [getattr(o, "k3_flat_params", None) for o in inners]

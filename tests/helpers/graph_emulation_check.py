@@ -28,7 +28,7 @@ from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
 from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays  # noqa: E402
-from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,  # noqa: E402
+from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
                                           init_distributed, make_forward_step, moe_routers, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
@@ -103,8 +103,6 @@ for mode in ("eager", "graphs"):
     adapter.load_hf_state_dict(chunks[0], sd, 0)
     ddp = wrap_ddp(chunks, tconfig)
     assert any(getattr(p, "k3_fuse_wgrad", False) for p in chunks[0].parameters())  # the fused path is exercised
-    tconfig.finalize_model_grads_func = finalize_k3_grads
-    tconfig.no_sync_func = ddp[0].no_sync
     opt = build_optimizer(ddp, lr=1e-3, adam_eps=1e-4)  # eps as in verify_parallel: no 0/0-like amplification of round-off
     n_layers = capture_layer_graphs(chunks, ddp, B, S) if mode == "graphs" else 0
     losses, grads1 = [], None

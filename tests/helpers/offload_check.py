@@ -88,7 +88,7 @@ def _worker(rank, world, port, out_path, cases, steps, chunk_bytes):
     from megatron_k3.config import get_preset
     from megatron_k3.layout import ParallelLayout
     from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, finalize_k3_grads,
+    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
                                               init_distributed, make_forward_step, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
     from megatron_k3.offload import build_host_stream_optimizer
@@ -110,8 +110,6 @@ def _worker(rank, world, port, out_path, cases, steps, chunk_bytes):
             chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device)
             adapter.load_hf_state_dict(chunks[0], init_sd, 0)
             ddp = wrap_ddp(chunks, tconfig, distopt)
-            tconfig.finalize_model_grads_func = finalize_k3_grads
-            tconfig.no_sync_func = ddp[0].no_sync
             models.append((chunks, ddp, tconfig))
         kw = dict(lr=3e-3, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=distopt, bf16=bf16,
                   adam_eps=1e-8, beta1=0.9, beta2=0.95)
