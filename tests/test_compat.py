@@ -26,6 +26,6 @@ def test_coalesced_float16_params_train_bit_identically(root):
     three bf16 steps of k3-tiny give bit-identical losses, parameters and masters to megatron's own layout
     (tests/helpers/coalesce_check.py)."""
     env = dict(os.environ, PYTHONPATH=root)
-    r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "coalesce_check.py"), "29743"],
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "coalesce_check.py"), "29745"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "coalesce check OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
