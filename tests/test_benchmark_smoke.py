@@ -48,3 +48,19 @@ def test_bench_scaling_smoke(root, tmp_path):
         assert x["world_size"] == 2 and x["tokens_per_s"] > 0 and len(x["step_times_s"]) == 2
         assert abs(x["per_gpu_vs_1gpu"] - x["tokens_per_s"] / runs["1"]["tokens_per_s"]) < 1e-12
         assert abs(x["tokens_per_s_all_gpus"] - 2 * x["tokens_per_s"]) < 1e-6
+
+
+def test_bench_host_smoke(root, tmp_path):
+    """tools/bench_host.py at k3-tiny's structure: one timed step, every timed piece reported (numbers mean
+    nothing here; the committed k3-mini JSON is benchmarks/results/bench_host_*.json)."""
+    out = tmp_path / "h.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_host.py"), "--preset", "k3-tiny", "--steps",
+                        "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29749"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.load(open(out))
+    t = rep["median_ms_per_step"]
+    for k in ("wall", "forward_backward", "finalize_k3_grads", "reset_model_temporary_tensors", "moe_routers",
+              "optimizer_step", "grad_norm", "clip", "zero_grad"):
+        assert k in t and t[k] >= 0, k
+    assert t["wall"] >= t["forward_backward"] + t["optimizer_step"] and rep["parameter_tensors"] > 100
