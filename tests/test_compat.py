@@ -1,6 +1,7 @@
 """compat item 7: the foreach stand-ins for apex's multi-tensor kernels (no host sync) equal megatron's own
-local loops and are installed when neither Transformer Engine nor apex is importable. The checks run in a
-child process (tests/helpers/compat_check.py) because CPU mode patches torch process-wide."""
+local loops and are installed when neither Transformer Engine nor apex is importable; item 8: megatron's
+per-step router walks over cached router lists give what the full walks give. The checks run in child
+processes (tests/helpers/) because CPU mode patches torch process-wide."""
 import os
 import subprocess
 import sys
@@ -29,3 +30,13 @@ def test_coalesced_float16_params_train_bit_identically(root):
     r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "coalesce_check.py"), "29745"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "coalesce check OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_cached_router_walks_equal_megatron(root):
+    """compat item 8 and runtime.moe_routers' cache (tests/helpers/router_walk_check.py): megatron's expert-bias
+    update through the cached walk is bit-identical to the original on k3-tiny with MTP, the reset zeroes every
+    router's token counts, and the cached router list equals a fresh walk."""
+    env = dict(os.environ, PYTHONPATH=root)
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "router_walk_check.py"), "29747"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "router walk check OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from datetime import timedelta
 
 import torch
@@ -113,17 +114,26 @@ def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False, finalize_
     return ddp
 
 
+_ROUTERS = weakref.WeakKeyDictionary()  # model chunk -> its [(layer name, router)]
+
+
 def moe_routers(chunks):
-    """(layer name, router) for every MoE router of these chunks ("7" for layers.7, "mtp0" for MTP head 0)."""
+    """(layer name, router) for every MoE router of these chunks ("7" for layers.7, "mtp0" for MTP head 0).
+    Found once per chunk (the gradient finalisation asks every step; k3-mini has 4,396 modules to walk)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     out = []
     for c in chunks:
-        for name, m in c.named_modules():
-            if isinstance(m, TopKRouter):
-                parts = name.split(".")
-                key = parts[parts.index("layers") + 1] if "layers" in parts else f"mtp{parts[parts.index('mtp_heads') + 1]}"
-                out.append((key, m))
+        if c not in _ROUTERS:
+            found = []
+            for name, m in c.named_modules():
+                if isinstance(m, TopKRouter):
+                    parts = name.split(".")
+                    key = (parts[parts.index("layers") + 1] if "layers" in parts
+                           else f"mtp{parts[parts.index('mtp_heads') + 1]}")
+                    found.append((key, m))
+            _ROUTERS[c] = found
+        out.extend(_ROUTERS[c])
     return out
 
 
