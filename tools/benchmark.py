@@ -174,8 +174,8 @@ def main():
 def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile_path=None) -> dict:
     """Build the megatron K3 model (golden init), optionally capture its layers as CUDA graphs, train
     ``args.warmup + args.steps`` steps of ``args.num_microbatches`` micro-batches of ``args.micro_batch_size`` x
-    ``args.seq_length`` tokens and, on CUDA, one profiled step. Returns the measurement; the model is freed on return so a baseline can follow in the
-    same process."""
+    ``args.seq_length`` tokens and, on CUDA, one profiled step. Returns the measurement; the model is freed on
+    return so a baseline can follow in the same process."""
     from megatron_k3.megatron import adapter
     from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays
     from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
