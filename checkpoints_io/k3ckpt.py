@@ -548,7 +548,9 @@ def resolve(path, step: int | None = None) -> str | None:
     if step is None:
         step = latest_step(p)
         if step is None:
-            if complete_steps(p) or list(p.glob("iter_*")):
+            # leftovers of a save that never finished (``*.tmp``) are no checkpoint: a run killed during its
+            # first save starts again from scratch (refusing would fail every restart of the supervisor)
+            if complete_steps(p) or [q for q in p.glob("iter_*") if not q.name.endswith(".tmp")]:
                 raise CheckpointError(f"{p / LATEST} is missing but {p} holds checkpoint directories; pass one of "
                                       "them explicitly")
             return None

@@ -314,3 +314,16 @@ def test_resume_bit_exact_world1(root, tmp_path, opt):
     la, lb = losses(a), losses(b)
     assert sorted(lb) == [4, 5, 6] and all(la[s] == lb[s] for s in lb), (la, lb)
     assert_same_weights(a / "w.pt", b / "w.pt")
+
+
+def test_resolve_ignores_leftovers_of_an_unfinished_first_save(tmp_path):
+    """A run killed during its first save leaves only ``iter_*.tmp``: the save dir holds no checkpoint (the
+    restarted run starts from scratch); a complete-looking ``iter_*`` without the ``latest`` pointer is still
+    refused. (Found by the SIGKILL test: every restart had failed with "holds checkpoint directories".)"""
+    from checkpoints_io.k3ckpt import CheckpointError, resolve
+
+    (tmp_path / "iter_0000002.tmp").mkdir()
+    assert resolve(tmp_path) is None
+    (tmp_path / "iter_0000002").mkdir()
+    with pytest.raises(CheckpointError, match="holds checkpoint directories"):
+        resolve(tmp_path)
