@@ -20,7 +20,8 @@ decides what to do when it ends:
   ``--backoff`` seconds and starts the same command again (which resumes with ``--load DIR``).
 
 SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 are forwarded to the child's process group (``srun`` forwards them
-on to its tasks). ``--save`` defaults to the value of ``--save`` (else ``--load``) in COMMAND. Every start
+on to its tasks); one that arrives while the child is being started (before its pid is known) is forwarded
+as soon as it has started. ``--save`` defaults to the value of ``--save`` (else ``--load``) in COMMAND. Every start
 is logged with the step it resumes from; the child sees ``K3_SUPERVISOR_ATTEMPT`` (1, 2, ...).
 """
 from __future__ import annotations
@@ -83,6 +84,9 @@ class Supervisor:
         self.cmd, self.save, self.max_failures, self.backoff, self.requeue = cmd, save, max_failures, backoff, requeue
         self.child: subprocess.Popen | None = None
         self.received: list[int] = []  # signals received by the supervisor, in order
+        # signals that found no live child: forwarded to the next child right after Popen returns, since one
+        # arriving while Popen starts it (self.child not yet set) would otherwise never reach it
+        self.missed: list[int] = []
 
     # -- signals ---------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
@@ -95,7 +99,8 @@ class Supervisor:
             except ProcessLookupError:
                 pass
         else:
-            log(f"got {signal.Signals(signum).name} between attempts")
+            self.missed.append(signum)
+            log(f"got {signal.Signals(signum).name} while no child is running")
 
     def install(self):
         for s in FORWARDED:
@@ -115,6 +120,13 @@ class Supervisor:
         # own process group: forwarded signals reach the whole tree (torchrun's workers, srun), and a
         # terminal's Ctrl-C reaches only the supervisor, which forwards it once
         self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True)
+        while self.missed:  # arrived while Popen ran; the handler forwards any later one itself
+            signum = self.missed.pop(0)
+            log(f"forwarding {signal.Signals(signum).name} to the child (pid {self.child.pid}) now that it started")
+            try:
+                os.killpg(self.child.pid, signum)
+            except ProcessLookupError:
+                pass
         while True:
             try:
                 return self.child.wait()
@@ -151,6 +163,9 @@ class Supervisor:
         if restarts:
             log(f"Slurm job {os.environ.get('SLURM_JOB_ID')} restart count {restarts} (requeued)")
         while True:
+            # a signal received between attempts was handled by the checks below (stop, USR1) or is stale
+            # (USR2): only one arriving from here on, while this attempt starts, goes to the new child
+            self.missed.clear()
             if self.stop_requested or self.usr1_requested:  # a stop signal arrived before this attempt started
                 log("stop signal received before starting; not starting")
                 if self.usr1_requested:
