@@ -313,12 +313,117 @@ def check_layer_graphs(cfg, report):
     ps.destroy_model_parallel()
 
 
+SDPA_SHAPE = (4, 32, 4096, 96, 64)  # k3-mini's MLA at 4 x 4096 tokens: batch, heads, seq, d_qk, d_v
+
+
+def sdpa_probe(te_first: bool, k3_first: bool = False) -> dict:
+    """Which kernel SDPA runs at k3-mini's MLA shape in this process, with or without Transformer Engine
+    imported before torch touches cuDNN (as in the megatron model: megatron-core imports TE at import time).
+    Reports the cuDNN version torch sees, the libcudnn files mapped into the process, the fwd+bwd time of
+    the default choice and of each backend forced alone, and the reason torch gives when one refuses."""
+    import time
+    import warnings
+
+    out = {"te_imported_first": te_first, "megatron_k3_imported_first": k3_first}
+    if k3_first:
+        import megatron_k3  # noqa: F401  (loads torch's cuDNN before TE: megatron_k3/__init__.py)
+    if te_first:
+        try:
+            import transformer_engine
+            import transformer_engine.pytorch  # noqa: F401
+
+            out["transformer_engine"] = transformer_engine.__version__
+        except Exception as e:  # noqa: BLE001
+            out["transformer_engine"] = f"unavailable: {type(e).__name__}: {e}"
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out["cudnn_version"] = torch.backends.cudnn.version()
+    b, h, t, dk, dv = SDPA_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(b, h, t, dk, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    v = torch.randn(b, h, t, dv, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    dout = torch.randn(b, h, t, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def fwd_bwd():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=(dk ** -0.5))
+        o.backward(dout)
+
+    def timed(backends):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                ctx = sdpa_kernel(backends) if backends else None
+                if ctx is not None:
+                    ctx.__enter__()
+                try:
+                    for _ in range(3):
+                        fwd_bwd()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        fwd_bwd()
+                    torch.cuda.synchronize()
+                    res = {"fwd_bwd_ms": round((time.perf_counter() - t0) / 10 * 1e3, 3)}
+                finally:
+                    if ctx is not None:
+                        ctx.__exit__(None, None, None)
+            except Exception as e:  # noqa: BLE001
+                res = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if w:
+            res["warnings"] = sorted({str(x.message)[:300] for x in w})
+        return res
+
+    out["default"] = timed(None)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    out["default_kernels"] = sorted({e.key[:120] for e in prof.key_averages()
+                                     if any(s in e.key.lower() for s in ("fmha", "cudnn", "flash", "attention",
+                                                                        "efficient", "sm90"))})
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                     ("flash", SDPBackend.FLASH_ATTENTION)):
+        out[name] = timed([be])
+    with open("/proc/self/maps") as f:
+        out["libcudnn_mapped"] = sorted({ln.split()[-1] for ln in f if "libcudnn" in ln and "/" in ln})
+    return out
+
+
+def check_sdpa(report):
+    """``sdpa_probe`` in three fresh processes: torch alone, Transformer Engine imported first, and
+    megatron_k3 imported before TE (the project's fix)."""
+    import json
+    import subprocess
+
+    res = {}
+    for mode in ("plain", "te-first", "megatron_k3-then-te"):
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--sdpa-probe", mode],
+                           capture_output=True, text=True, timeout=600)
+        try:
+            res[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            res[mode] = {"error": f"rc {r.returncode}: {r.stderr[-1000:]}"}
+    report["sdpa_shape_b_h_t_dqk_dv"] = list(SDPA_SHAPE)
+    report["sdpa"] = res
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--sdpa-probe":  # child of check_sdpa: one JSON line
+        import json
+
+        print(json.dumps(sdpa_probe(sys.argv[2] != "plain", k3_first=sys.argv[2] == "megatron_k3-then-te")))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled", "graphs"], default="all",
+    ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled", "graphs", "sdpa"],
+                    default="all",
                     help="fast: grouped experts, the foreach/fused optimizer fallbacks, SiTU shapes, compiled glue; "
-                         "compiled: the compiled glue only; graphs: CUDA graphs of the layers vs eager")
+                         "compiled: the compiled glue only; graphs: CUDA graphs of the layers vs eager; sdpa: which "
+                         "attention kernel SDPA picks at k3-mini's MLA shape with and without Transformer Engine "
+                         "imported first")
     ap.add_argument("--graphs-preset", choices=["gpu", "k3-mini"], default="gpu",
                     help="model of --only graphs: gpu (the widened k3-tiny of the other checks) or k3-mini at "
                          "4 x 4096 tokens, the benchmark's shapes, whose compiled kernels a carried "
@@ -351,6 +456,9 @@ def main():
             cfg = get_preset("k3-mini", seq_length=4096)
             report["config"] = "k3-mini, seq 4096, batch 4 (then 2)"
         check_layer_graphs(cfg, report)
+    elif args.only == "sdpa":
+        report["command"] = "python3 tools/gpu_check.py --only sdpa"
+        check_sdpa(report)
     elif args.only == "fast":
         report["command"] = "python3 tools/gpu_check.py --only fast"
         check_grouped_experts(report)
