@@ -338,7 +338,11 @@ def sdpa_probe(te_first: bool, k3_first: bool = False) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    out["cudnn_version"] = torch.backends.cudnn.version()
+    try:
+        out["cudnn_version"] = torch.backends.cudnn.version()
+    except RuntimeError as e:  # e.g. "cuDNN version incompatibility": torch then runs without cuDNN
+        out["cudnn_version"] = f"error: {str(e)[:300]}"
+    out["cudnn_path_env"] = os.environ.get("CUDNN_PATH")
     b, h, t, dk, dv = SDPA_SHAPE
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(b, h, t, dk, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
