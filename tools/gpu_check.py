@@ -316,7 +316,7 @@ def check_layer_graphs(cfg, report):
 SDPA_SHAPE = (4, 32, 4096, 96, 64)  # k3-mini's MLA at 4 x 4096 tokens: batch, heads, seq, d_qk, d_v
 
 
-def sdpa_probe(te_first: bool, k3_first: bool = False) -> dict:
+def sdpa_probe(te_first: bool) -> dict:
     """Which kernel SDPA runs at k3-mini's MLA shape in this process, with or without Transformer Engine
     imported before torch touches cuDNN (as in the megatron model: megatron-core imports TE at import time).
     Reports the cuDNN version torch sees, the libcudnn files mapped into the process, the fwd+bwd time of
@@ -324,9 +324,7 @@ def sdpa_probe(te_first: bool, k3_first: bool = False) -> dict:
     import time
     import warnings
 
-    out = {"te_imported_first": te_first, "megatron_k3_imported_first": k3_first}
-    if k3_first:
-        import megatron_k3  # noqa: F401  (loads torch's cuDNN before TE: megatron_k3/__init__.py)
+    out = {"te_imported_first": te_first}
     if te_first:
         try:
             import transformer_engine
@@ -397,13 +395,12 @@ def sdpa_probe(te_first: bool, k3_first: bool = False) -> dict:
 
 
 def check_sdpa(report):
-    """``sdpa_probe`` in three fresh processes: torch alone, Transformer Engine imported first, and
-    megatron_k3 imported before TE (the project's fix)."""
+    """``sdpa_probe`` in two fresh processes: torch alone, and Transformer Engine imported first."""
     import json
     import subprocess
 
     res = {}
-    for mode in ("plain", "te-first", "megatron_k3-then-te"):
+    for mode in ("plain", "te-first"):
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--sdpa-probe", mode],
                            capture_output=True, text=True, timeout=600)
         try:
@@ -418,7 +415,7 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--sdpa-probe":  # child of check_sdpa: one JSON line
         import json
 
-        print(json.dumps(sdpa_probe(sys.argv[2] != "plain", k3_first=sys.argv[2] == "megatron_k3-then-te")))
+        print(json.dumps(sdpa_probe(sys.argv[2] == "te-first")))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
