@@ -3,6 +3,7 @@
 The fake trainer (written per test) plays the real one's checkpoint interface: ``--save DIR`` holds
 ``latest_checkpointed_iteration.txt``; each attempt reads its behaviour from a plan file by attempt number.
 """
+import importlib.util
 import json
 import os
 import signal
@@ -10,8 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-
-import importlib.util
 
 import pytest
 

@@ -321,6 +321,7 @@ def sdpa_probe(te_first: bool) -> dict:
     imported before torch touches cuDNN (as in the megatron model: megatron-core imports TE at import time).
     Reports the cuDNN version torch sees, the libcudnn files mapped into the process, the fwd+bwd time of
     the default choice and of each backend forced alone, and the reason torch gives when one refuses."""
+    import contextlib
     import time
     import warnings
 
@@ -356,10 +357,7 @@ def sdpa_probe(te_first: bool) -> dict:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             try:
-                ctx = sdpa_kernel(backends) if backends else None
-                if ctx is not None:
-                    ctx.__enter__()
-                try:
+                with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                     for _ in range(3):
                         fwd_bwd()
                     torch.cuda.synchronize()
@@ -368,9 +366,6 @@ def sdpa_probe(te_first: bool) -> dict:
                         fwd_bwd()
                     torch.cuda.synchronize()
                     res = {"fwd_bwd_ms": round((time.perf_counter() - t0) / 10 * 1e3, 3)}
-                finally:
-                    if ctx is not None:
-                        ctx.__exit__(None, None, None)
             except Exception as e:  # noqa: BLE001
                 res = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         if w:
