@@ -96,6 +96,20 @@ def test_kda_layer_init_gate_range_and_impls_agree():
     assert not torch.allclose(y2[:, 30:], y_chk[:, 30:])
 
 
+def test_short_conv_form_choice(monkeypatch):
+    """Which short-convolution form runs: the F.conv1d reference on the CPU, the compiled shifted form when
+    compilation is forced; fla's Triton kernel only for CUDA tensors without a cache (compared with the
+    reference on the GPU by tools/bench_ops.py --parts short_conv and tools/gpu_check.py --only fused)."""
+    from megatron_k3.model.kda import short_conv_impl
+
+    x = torch.zeros(1, 4, 8)
+    monkeypatch.delenv("K3_COMPILE", raising=False)
+    assert short_conv_impl(x) == "reference"
+    monkeypatch.setenv("K3_COMPILE", "all")
+    assert short_conv_impl(x) == "compiled"
+    assert short_conv_impl(x, torch.zeros(1, 3, 8)) == "compiled"
+
+
 def test_shifted_conv_and_gates_equal_reference_and_trace():
     """The CUDA path of the KDA/MLA glue: ``causal_conv1d_shifted`` equals the conv1d reference (with and
     without a cache), and the compiled graphs (aot_eager here) of it and of the sigmoid output gate equal

@@ -3,7 +3,7 @@ import torch
 
 from megatron_k3 import get_preset
 from megatron_k3.model import K3ForCausalLM
-from megatron_k3.model.k3 import chunked_cross_entropy
+from megatron_k3.model.k3 import ce_sum_and_grad, chunked_cross_entropy, cross_entropy_sum, linear_cross_entropy
 
 
 def _batch(cfg, B=4, T=48, seed=0):
@@ -128,6 +128,44 @@ def test_chunked_cross_entropy_equals_full():
     g2 = torch.autograd.grad(ref, (h, w))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+
+
+def test_linear_cross_entropy_equals_full_and_scales_its_gradients():
+    """The fast CE (gradients formed in forward, chunk by chunk) gives the full CE's sum and gradients, scaled
+    by the incoming gradient, for either input alone; a ragged last chunk; without autograd the same sum."""
+    from megatron_k3.model.common import compiled
+
+    torch.manual_seed(0)
+    h0 = torch.randn(50, 16, dtype=torch.float64)
+    w0 = torch.randn(30, 16, dtype=torch.float64)
+    t = torch.randint(0, 30, (50,))
+    t[::7] = -100
+    ref_h, ref_w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_h @ ref_w.t(), t, ignore_index=-100, reduction="sum")
+    gh_ref, gw_ref = torch.autograd.grad(ref * 0.3, (ref_h, ref_w))
+    for need_h, need_w in ((True, True), (True, False), (False, True)):
+        h, w = h0.clone().requires_grad_(need_h), w0.clone().requires_grad_(need_w)
+        s = linear_cross_entropy(h, w, t, chunk_tokens=8)
+        torch.testing.assert_close(s, ref.detach())
+        (s * 0.3).backward()
+        if need_h:
+            torch.testing.assert_close(h.grad, gh_ref)
+        if need_w:
+            torch.testing.assert_close(w.grad, gw_ref)
+        assert (h.grad is None) != need_h and (w.grad is None) != need_w
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h0, w0, t, chunk_tokens=8), ref.detach())
+    # the per-chunk loss + gradient, eager and traced (aot_eager: the graph the CUDA path compiles)
+    logits = (torch.randn(20, 30, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    lx = logits.float().requires_grad_()
+    expect = cross_entropy_sum(lx, t[:20])
+    expect.backward()
+    for fn in (ce_sum_and_grad, compiled(ce_sum_and_grad, backend="aot_eager")):
+        loss, g = fn(logits, t[:20], -100)
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(loss, expect.detach())
+        torch.testing.assert_close(g.float(), lx.grad, rtol=1e-2, atol=1e-2)
+        assert g[::7].eq(0).all()
 
 
 def test_layer_checkpointing_same_loss_and_grads():

@@ -13,7 +13,16 @@ Parts (``--parts``, default all):
 - ``ce``: cross-entropy of one [4096, 163840] bf16 logits chunk (the LM head's chunk at k3-mini):
   ``k3.cross_entropy_sum`` compiled against the eager ``F.cross_entropy(logits.float())``.
 
-Each is timed forward + backward with CUDA events (median of ``--iters`` after warm-up and compilation) and
+- ``short_conv``: KDA's depthwise causal conv + SiLU at k3-mini's [8, 4096, 1024] bf16, reading a column
+  slice of the fused projection output as the model does: fla's Triton ``causal_conv1d`` (what CUDA runs
+  now) against ``causal_conv1d_shifted`` compiled (what it ran before), both against the F.conv1d reference.
+- ``linear_ce``: the LM head + CE of one micro-batch at k3-mini (32768 tokens, hidden 1024, vocabulary
+  163840, bf16): ``linear_cross_entropy`` (gradients formed in forward, no recomputation; what the
+  megatron model runs; at TP 1 here) against ``chunked_cross_entropy`` (each chunk recomputed in backward).
+
+Each is timed forward + backward with CUDA events (median of ``--iters`` after warm-up and compilation;
+``short_conv`` and ``linear_ce`` also report ``kernels_s``, the profiled device time of the kernels alone, which
+is what the op costs inside the layers' CUDA graphs where launch time is hidden) and
 checked against an fp32/fp64 reference (relative Frobenius error of the output and input gradients).
 
     source .gpu/bin/on_device.sh --no-te && python3 tools/bench_ops.py --out $OUT/bench_ops.json
@@ -29,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from benchmark import write_report  # noqa: E402
-from gpu_check import rel  # noqa: E402
+from benchmark import kernel_device_us, write_report  # noqa: E402
+from gpu_check import reference_short_conv, rel  # noqa: E402
 
 
 def time_fwd_bwd(fn, inputs, dy, iters, warmup=5):
@@ -48,6 +57,20 @@ def time_fwd_bwd(fn, inputs, dy, iters, warmup=5):
         if i >= warmup:
             times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times), y.detach(), [t.grad for t in inputs]
+
+
+def kernel_time_fwd_bwd(fn, inputs, dy, iters=5):
+    """Device time of the kernels of one ``fn(*inputs).backward(dy)`` (profiler, summed, mean of ``iters``):
+    what the op costs inside a CUDA graph, where the host's launch time is hidden. Call after warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            for t in inputs:
+                t.grad = None
+            fn(*inputs).backward(dy)
+        torch.cuda.synchronize()
+    return sum(kernel_device_us(e) for e in prof.key_averages()) / 1e6 / iters
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -171,9 +194,76 @@ def part_ce(iters):
     return res
 
 
+# ---------------------------------------------------------------------------------------------- short_conv
+def part_short_conv(iters):
+    from megatron_k3.model import kda
+
+    B, T, C, K = 8, 4096, 1024, 4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    proj = torch.randn(B, T, 3 * C, device="cuda", generator=g, dtype=torch.bfloat16)  # fused q/k/v output
+    w0 = torch.randn(C, 1, K, device="cuda", generator=g) * 0.5
+    dy = torch.randn(B, T, C, device="cuda", generator=g, dtype=torch.bfloat16)
+    xr = proj[:1, :, :C].double().requires_grad_()                 # fp64 reference on batch 0
+    wr = w0.double().requires_grad_()
+    with reference_short_conv():
+        yr = kda.causal_conv1d(xr, wr, True)
+        yr.backward(dy[:1].double())
+    fla = kda._fla_causal_conv1d()
+    variants = {"compiled_shifted": kda.compiled(kda.causal_conv1d_shifted)}
+    if fla is not None:
+        variants["fla_triton"] = lambda x, w, act: fla(x, w.reshape(C, K), activation="silu", backend="triton")[0]
+    res = {"bytes_floor_s": 5 * B * T * C * 2 / 4.3e12,  # fwd: read x, write y; bwd: read x and dy, write dx
+           "impl_the_model_runs": kda.short_conv_impl(proj)}
+    for name, fn in variants.items():
+        x = proj[..., :C].detach().requires_grad_()                # a strided leaf, as the q slice is
+        w = w0.clone().requires_grad_()
+        s, y, (gx, gw) = time_fwd_bwd(lambda a, b: fn(a, b, True), [x, w], dy, iters)
+        kernels_s = kernel_time_fwd_bwd(lambda a, b: fn(a, b, True), [x, w], dy)
+        # the weight gradient sums all 8 sequences: batch 0's is compared through a call on batch 0 alone
+        x1, w1 = proj[:1, :, :C].detach().requires_grad_(), w0.clone().requires_grad_()
+        fn(x1, w1, True).backward(dy[:1])
+        res[name] = {"fwd_bwd_s": s, "kernels_s": kernels_s, "rel_err_vs_fp64_batch0": {
+            "y": rel(y[:1], yr.detach()), "dx": rel(gx[:1], xr.grad), "dw": rel(w1.grad, wr.grad)}}
+    if "fla_triton" in res:  # fwd_bwd_s includes the host's launch time (fla's Python wrappers), kernels_s not
+        res["speedup_fwd_bwd"] = res["compiled_shifted"]["fwd_bwd_s"] / res["fla_triton"]["fwd_bwd_s"]
+        res["speedup_kernels"] = res["compiled_shifted"]["kernels_s"] / res["fla_triton"]["kernels_s"]
+    return res
+
+
+# ----------------------------------------------------------------------------------------------- linear_ce
+def part_linear_ce(iters):
+    from megatron_k3.model.k3 import chunked_cross_entropy, linear_cross_entropy
+
+    N, D, V = 32768, 1024, 163840
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h0 = torch.randn(N, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    w0 = (torch.randn(V, D, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    tgt = torch.randint(0, V, (N,), device="cuda", generator=g)
+    tgt[::17] = -100
+    dy = torch.ones((), device="cuda")
+    variants = {"recompute_chunked": lambda h, w: chunked_cross_entropy(h, w, tgt)[0],
+                "fused_linear_ce": lambda h, w: linear_cross_entropy(h, w, tgt)}
+    res, outs = {}, {}
+    for name, fn in variants.items():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        ins = [h0.clone().requires_grad_(), w0.clone().requires_grad_()]
+        base = torch.cuda.memory_allocated()
+        s, y, grads = time_fwd_bwd(fn, ins, dy, iters, warmup=3)
+        outs[name] = (y, grads)
+        res[name] = {"fwd_bwd_s": s, "kernels_s": kernel_time_fwd_bwd(fn, ins, dy, 3),
+                     "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30, "loss": float(y)}
+    (ya, ga), (yb, gb) = outs["recompute_chunked"], outs["fused_linear_ce"]
+    res["fused_vs_recompute"] = {"loss_rel": abs(float(yb) / float(ya) - 1), "dh_rel": rel(gb[0], ga[0]),
+                                 "dw_rel": rel(gb[1], ga[1])}
+    res["speedup"] = res["recompute_chunked"]["fwd_bwd_s"] / res["fused_linear_ce"]["fwd_bwd_s"]
+    res["flops_floor_s"] = 3 * 2 * N * D * V / 989e12  # logits, d hidden, d weight at the dense bf16 peak
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="attention,attn_res,ce")
+    ap.add_argument("--parts", default="attention,attn_res,ce,short_conv,linear_ce")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -181,7 +271,8 @@ def main():
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "command": " ".join(["python3", "tools/bench_ops.py"] + sys.argv[1:]),
            "note": "fwd+bwd device time (CUDA events, median after warm-up)"}
-    parts = {"attention": part_attention, "attn_res": part_attn_res, "ce": part_ce}
+    parts = {"attention": part_attention, "attn_res": part_attn_res, "ce": part_ce, "short_conv": part_short_conv,
+             "linear_ce": part_linear_ce}
     for p in args.parts.split(","):
         try:
             rep[p] = parts[p](args.iters)

@@ -448,20 +448,21 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
     graph have no operator and are not in this list)."""
     import re
 
-    groups = [("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
+    groups = [("short_conv_fla", r"causal_conv1d"),
+              ("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
               ("attention", r"flash|fmha|cudnn|attention|sdpa"),
               ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|grouped_mm|matmul|_mm_|wgmma|magma|gemv|cublas"),
               ("optimizer", r"adam|multi_tensor|foreach|l2norm"),
               ("situ_triton", r"situ"),
-              ("norm_reduce", r"reduce|norm|softmax"),
+              ("norm_reduce", r"reduce|norm|softmax|logsumexp"),
               ("copy_cat", r"copy|cat|memcpy|memset|index|gather|scatter|fill"),
               ("elementwise", r"elementwise|vectorized|unrolled|triton_")]
     out = {k: 0.0 for k, _ in groups}
     out["other"] = 0.0
     kernels = {k: [] for k in out}  # kind -> [(seconds, calls, name)]
     for e in prof.key_averages():
-        t = _self_device_us(e)
-        if not t or e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False) or "#" in e.key:
+        t = kernel_device_us(e)
+        if not t:
             continue
         name = e.key.lower()
         kind = next((k for k, rx in groups if re.search(rx, name)), "other")
@@ -485,6 +486,15 @@ def _self_device_us(e) -> float:
     """A profiler average's self device time in microseconds (``self_cuda_time_total`` in older torch)."""
     t = getattr(e, "self_device_time_total", None)
     return getattr(e, "self_cuda_time_total", 0.0) if t is None else t
+
+
+def kernel_device_us(e) -> float:
+    """``_self_device_us`` of a profiler average that is a device kernel, else 0: ranges shown on the device
+    timeline (user annotations such as ``Optimizer.step#...``) are not kernels and would count the kernels
+    inside them twice."""
+    if e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False) or "#" in e.key:
+        return 0.0
+    return _self_device_us(e)
 
 
 def seed_baseline(cfg, B, S, M, device, dtype, warmup, steps):

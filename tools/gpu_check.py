@@ -6,12 +6,15 @@
 2. The megatron K3 model (TP1 on one GPU, bf16 parameters except the fp32 KDA parameters, fla kernels)
    against the golden model in fp32 on the CPU with the same weights: loss, logits and every gradient
    (gathered through the HF adapter).
+3. ``--only fused``: fla's Triton short convolution and the fast linear CE (``linear_cross_entropy``) against
+   fp64 references on the GPU (item 2's megatron model runs both).
 
 Prints a JSON report (and writes it to ``--out``). Errors are relative Frobenius norms ``||a-b|| / ||b||``.
 
     source .gpu/bin/on_device.sh --no-te && python3 tools/gpu_check.py --out $OUT/gpu_check.json
 """
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -171,6 +174,69 @@ def check_grouped_experts(report):
     report["grouped_linear_vs_fp64_loop"] = {"shape": f"T={T}, E={E}, in={L}, out={2 * F}, one empty group", **out}
 
 
+@contextlib.contextmanager
+def reference_short_conv():
+    """Inside: ``kda.causal_conv1d`` runs its F.conv1d reference on CUDA too (neither fla nor compiled);
+    the two variables are restored on exit."""
+    from megatron_k3.model import kda
+
+    old = {k: os.environ.get(k) for k in ("K3_SHORT_CONV", "K3_COMPILE")}
+    os.environ.update(K3_SHORT_CONV="off", K3_COMPILE="0")
+    try:
+        assert kda.short_conv_impl(torch.zeros(1, 1, 1, device="cuda")) == "reference"
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def check_fused(report):
+    """fla's Triton short convolution (what KDA runs on CUDA) and the fast linear CE (what the megatron model
+    runs at TP 1) against fp64 references on the GPU: a strided input as the model passes it, a ragged last
+    CE chunk, ignored targets."""
+    from megatron_k3.model import kda
+    from megatron_k3.model.k3 import linear_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    conv = {}
+    for B, T, C in ((2, 300, 256), (8, 4096, 1024)):
+        proj = torch.randn(B, T, 3 * C, device="cuda", generator=g)
+        w0 = torch.randn(C, 1, 4, device="cuda", generator=g) * 0.5
+        dy = torch.randn(B, T, C, device="cuda", generator=g)
+        xr, wr = proj[..., C:2 * C].double().requires_grad_(), w0.double().requires_grad_()
+        with reference_short_conv():
+            yr = kda.causal_conv1d(xr, wr, True)
+            yr.backward(dy.double())
+        for dt in (torch.float32, torch.bfloat16):
+            x = proj.to(dt)[..., C:2 * C].detach().requires_grad_()
+            w = w0.clone().requires_grad_()
+            impl = kda.short_conv_impl(x)
+            y = kda.causal_conv1d(x, w, True)
+            y.backward(dy.to(dt))
+            conv[f"[{B}, {T}, {C}] {str(dt)[6:]}"] = {"impl": impl, "y": rel(y, yr.detach()),
+                                                      "dx": rel(x.grad, xr.grad), "dw": rel(w.grad, wr.grad)}
+    report["short_conv_vs_fp64"] = conv
+    ce = {}
+    for dt in (torch.float32, torch.bfloat16):
+        N, D, V = 5000, 256, 32000
+        h0 = torch.randn(N, D, device="cuda", generator=g).to(dt)
+        w0 = (torch.randn(V, D, device="cuda", generator=g) * 0.1).to(dt)
+        t = torch.randint(0, V, (N,), device="cuda", generator=g)
+        t[::13] = -100
+        hr, wr = h0.double().requires_grad_(), w0.double().requires_grad_()
+        ref = torch.nn.functional.cross_entropy(hr @ wr.t(), t, ignore_index=-100, reduction="sum")
+        (ref * 0.25).backward()
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        s = linear_cross_entropy(h, w, t, chunk_tokens=2048)   # chunks 2048, 2048, 904
+        (s * 0.25).backward()
+        ce[str(dt)[6:]] = {"loss_rel": abs(s.detach().item() / ref.detach().item() - 1), "dh": rel(h.grad, hr.grad),
+                           "dw": rel(w.grad, wr.grad)}
+    report["linear_ce_vs_fp64"] = ce
+
+
 def check_fallbacks(report):
     """compat item 7 on CUDA: the foreach stand-ins vs megatron's local loops, and torch's fused AdamW (what
     ``fuse_torch_adamw`` switches megatron's fallback to) vs its foreach AdamW over 5 steps."""
@@ -321,7 +387,6 @@ def sdpa_probe(te_first: bool) -> dict:
     imported before torch touches cuDNN (as in the megatron model: megatron-core imports TE at import time).
     Reports the cuDNN version torch sees, the libcudnn files mapped into the process, the fwd+bwd time of
     the default choice and of each backend forced alone, and the reason torch gives when one refuses."""
-    import contextlib
     import time
     import warnings
 
@@ -406,6 +471,23 @@ def check_sdpa(report):
     report["sdpa"] = res
 
 
+class Report(dict):
+    """The report, rewritten to ``path`` each time a check stores a result: a run cut short by the device's time
+    limit still leaves the checks that finished."""
+
+    def __init__(self, path, **items):
+        super().__init__(**items)
+        self.path = path
+
+    def __setitem__(self, key, value):
+        import json
+
+        super().__setitem__(key, value)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(self, f, indent=1)
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--sdpa-probe":  # child of check_sdpa: one JSON line
         import json
@@ -414,12 +496,13 @@ def main():
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled", "graphs", "sdpa"],
+    ap.add_argument("--only", choices=["all", "grouped", "fast", "compiled", "graphs", "sdpa", "fused"],
                     default="all",
                     help="fast: grouped experts, the foreach/fused optimizer fallbacks, SiTU shapes, compiled glue; "
                          "compiled: the compiled glue only; graphs: CUDA graphs of the layers vs eager; sdpa: which "
                          "attention kernel SDPA picks at k3-mini's MLA shape with and without Transformer Engine "
-                         "imported first")
+                         "imported first; fused: fla's short convolution and the fast linear CE vs fp64 (the "
+                         "megatron model that runs both: the default checks)")
     ap.add_argument("--graphs-preset", choices=["gpu", "k3-mini"], default="gpu",
                     help="model of --only graphs: gpu (the widened k3-tiny of the other checks) or k3-mini at "
                          "4 x 4096 tokens, the benchmark's shapes, whose compiled kernels a carried "
@@ -428,10 +511,10 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("error: gpu_check.py needs a CUDA GPU")
     cfg = gpu_config()
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "command": "source .gpu/bin/on_device.sh --no-te && python3 tools/gpu_check.py --out $OUT/gpu_check.json",
-              "config": "k3-tiny widened: hidden 256, KDA 4x64, MLA 4 heads, 8 layers, seq 256, batch 4"}
+    report = Report(args.out, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                    command="source .gpu/bin/on_device.sh --no-te && python3 tools/gpu_check.py --out $OUT/gpu_check.json",
+                    config="k3-tiny widened: hidden 256, KDA 4x64, MLA 4 heads, 8 layers, seq 256, batch 4")
     try:
         import fla
 
@@ -455,6 +538,9 @@ def main():
     elif args.only == "sdpa":
         report["command"] = "python3 tools/gpu_check.py --only sdpa"
         check_sdpa(report)
+    elif args.only == "fused":
+        report["command"] = "python3 tools/gpu_check.py --only fused"
+        check_fused(report)
     elif args.only == "fast":
         report["command"] = "python3 tools/gpu_check.py --only fast"
         check_grouped_experts(report)

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model.attn_res import ResProj, attn_res_mix
-from ..model.common import Linear, RMSNorm, fast
-from ..model.k3 import IGNORE_INDEX, cross_entropy_sum
+from ..model.common import Linear, RMSNorm, acc_dtype, compile_enabled, compiled, fast
+from ..model.k3 import IGNORE_INDEX, ce_logits_grad, cross_entropy_sum, linear_cross_entropy
 from ..model.mtp import MTPModule
 from ..precision import layer_context
 from .comm import ParallelCtx, tp_enter, tp_exit
@@ -63,13 +63,61 @@ def _ce_chunk(h, weight, target, tp: int):
     return (loss * valid).sum()
 
 
+def _row_max(x):
+    return x.to(acc_dtype(x)).amax(-1)
+
+
+def _row_stats(x, m, local, inside):
+    """[sum_v exp(x - m), x[target]] over this rank's columns (the target's logit only where it is local)."""
+    xf = x.to(acc_dtype(x))
+    tgt = xf.gather(1, local[:, None]).squeeze(1) * inside
+    return torch.stack([torch.exp(xf - m[:, None]).sum(-1), tgt])
+
+
+def _row_grad(x, lse, local, inside, valid):
+    """d CE sum / d logits on this rank's columns (``ce_logits_grad``), in x's dtype."""
+    return ce_logits_grad(x.to(acc_dtype(x)), lse, local, inside, valid).to(x.dtype)
+
+
+class VocabParallelCEChunk:
+    """``chunk_fn`` of ``linear_cross_entropy`` under TP: logits [n, V/TP] of the vocabulary rows
+    [start, start + V/TP) -> (the full CE sum, equal on every rank, and d logits of these columns). Two
+    all-reduces over the TP group per chunk: the row max, then the row sums of exp and the target logits.
+    The element-wise passes are compiled on CUDA (the collectives stay outside the compiled functions)."""
+
+    def __init__(self, group, start: int):
+        self.group, self.start = group, start
+
+    def __call__(self, logits, targets, ignore_index):
+        import torch.distributed as dist
+
+        fn = (lambda f: compiled(f)) if compile_enabled(logits, grad_only=False) else (lambda f: f)
+        valid = targets != ignore_index
+        local = targets - self.start
+        inside = valid & (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~inside, 0)
+        m = fn(_row_max)(logits)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        st = fn(_row_stats)(logits, m, local, inside)
+        dist.all_reduce(st, group=self.group)
+        lse = m + torch.log(st[0])
+        loss = ((lse - st[1]) * valid).sum()
+        return loss, fn(_row_grad)(logits, lse, local, inside, valid)
+
+
 def vocab_parallel_chunked_ce(hidden, weight, targets, chunk_tokens: int = 4096):
     """Sum of CE over non-ignored tokens; hidden [S, B, D] (full over TP), weight [V/TP, D], targets [S, B].
-    One chunk of [chunk, V/TP] logits is alive at a time (each recomputed in backward). Under TP megatron's
-    vocabulary-parallel CE; at TP 1 the golden model's ``cross_entropy_sum`` (the same sum)."""
+    One chunk of [chunk, V/TP] logits is alive at a time. With autograd on, the golden model's
+    ``linear_cross_entropy`` (gradients formed in forward, no logits recomputation; under TP with
+    ``VocabParallelCEChunk``); without, each chunk through megatron's vocabulary-parallel CE under TP and the
+    golden model's ``cross_entropy_sum`` at TP 1 (the same sum)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
+    if torch.is_grad_enabled():
+        chunk_fn = None if tp == 1 else VocabParallelCEChunk(ps.get_tensor_model_parallel_group(),
+                                                             ps.get_tensor_model_parallel_rank() * weight.shape[0])
+        return linear_cross_entropy(hidden, weight, targets, IGNORE_INDEX, chunk_tokens, chunk_fn)
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     total = h.new_zeros((), dtype=torch.float32)

@@ -17,7 +17,8 @@ completed block snapshots. Without AttnRes (Kimi Linear) the residual stream is 
 
 Loss: token-mean cross-entropy over positions whose label is not ``ignore_index``, computed by a chunked
 cross-entropy that never holds more than one chunk of [chunk, V] logits (each chunk recomputed in
-backward), plus ``mtp_loss_weight`` times the mean of the MTP depths' losses.
+backward), plus ``mtp_loss_weight`` times the mean of the MTP depths' losses. ``linear_cross_entropy`` is the
+same sum with its gradients formed in the forward pass (no recomputation; the megatron model's fast path).
 
 No megatron imports here: this is the reference everything else is tested against.
 """
@@ -29,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attn_res import ResProj, attn_res_mix
-from .common import Linear, RMSNorm, acc_dtype, fast, normal_
+from .common import Linear, RMSNorm, acc_dtype, compile_enabled, compiled, fast, normal_
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import MLP, LatentMoE
@@ -166,6 +167,74 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         else:
             total = total + _ce_chunk(hc, weight, tc, ignore_index)
     return total, (t != ignore_index).sum()
+
+
+def ce_logits_grad(xf: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, has_target: torch.Tensor,
+                   valid: torch.Tensor) -> torch.Tensor:
+    """d CE sum / d logits for logits ``xf`` [n, V] (fp32/fp64) with row log-sum-exp ``lse`` [n]:
+    softmax - onehot(t), the onehot only where ``has_target`` (under TP: the target is in this rank's columns),
+    zero on rows that are not ``valid`` (ignored targets)."""
+    onehot = (torch.arange(xf.shape[-1], device=xf.device)[None, :] == t[:, None]) & has_target[:, None]
+    return (torch.exp(xf - lse[:, None]) - onehot.to(xf.dtype)) * valid[:, None].to(xf.dtype)
+
+
+def ce_sum_and_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """``cross_entropy_sum`` and its gradient in one pass: (loss sum, d sum / d logits = (softmax - onehot) on
+    the non-ignored rows, in the logits' dtype). Math in fp32 (fp64 for fp64 logits)."""
+    x = logits.to(acc_dtype(logits))
+    valid = targets != ignore_index
+    t = targets.masked_fill(~valid, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    loss = ((lse - x.gather(1, t[:, None]).squeeze(1)) * valid).sum()
+    return loss, ce_logits_grad(x, lse, t, valid, valid).to(logits.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum of CE of ``hidden @ weight.T`` with the gradients computed in the forward pass, chunk by chunk:
+    each [chunk, V] logits block is formed once (not again in backward, as ``chunked_cross_entropy`` does),
+    its gradient goes straight into d hidden (one GEMM) and d weight (accumulated by ``addmm_`` in the weight's
+    dtype, as autograd accumulates the chunks of ``chunked_cross_entropy``). Backward only scales the two
+    stored gradients by the incoming scalar. ``chunk_fn(logits, targets, ignore_index) -> (loss sum, d logits)``
+    is ``ce_sum_and_grad``, or a vocabulary-parallel form whose ``weight`` is this rank's rows (then d hidden
+    is this rank's partial sum, which the caller's TP region reduces in backward)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, ignore_index, chunk_tokens, chunk_fn):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = h.new_zeros((), dtype=acc_dtype(h))
+        gh = torch.empty_like(h) if need_h else None
+        gw = torch.zeros_like(weight) if need_w else None
+        for s in range(0, targets.numel(), chunk_tokens):
+            hc = h[s:s + chunk_tokens]
+            loss, g = chunk_fn(F.linear(hc, weight), targets[s:s + chunk_tokens], ignore_index)
+            total += loss
+            if need_h:
+                torch.mm(g, weight, out=gh[s:s + chunk_tokens])
+            if need_w:
+                gw.addmm_(g.t(), hc)
+            del g
+        ctx.save_for_backward(gh, gw)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gh, gw = ctx.saved_tensors
+        return (None if gh is None else gh * grad_out.to(gh.dtype),
+                None if gw is None else gw * grad_out.to(gw.dtype), None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = IGNORE_INDEX, chunk_tokens: int = 4096, chunk_fn=None):
+    """``chunked_cross_entropy``'s loss sum (hidden [..., D], weight [V, D], targets [...]) computed the fast
+    way when gradients are needed (``_LinearCrossEntropy``: no logits recomputation; holds d hidden and
+    d weight from forward to backward). Without autograd it is ``chunked_cross_entropy``. ``chunk_fn``: see
+    ``_LinearCrossEntropy`` (default ``ce_sum_and_grad``, compiled on CUDA)."""
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_tokens)[0]
+    if chunk_fn is None:
+        chunk_fn = compiled(ce_sum_and_grad) if compile_enabled(hidden, grad_only=False) else ce_sum_and_grad
+    h = hidden.reshape(-1, hidden.shape[-1])
+    return _LinearCrossEntropy.apply(h, weight, targets.reshape(-1), ignore_index, chunk_tokens, chunk_fn)
 
 
 class K3ForCausalLM(nn.Module):

@@ -26,11 +26,14 @@ Two exact pure-PyTorch forms of the recurrence live here (the reference the test
 
 On CUDA with flash-linear-attention installed, ``KimiDeltaAttention`` calls ``fla.ops.kda.chunk_kda`` with the
 gate, beta sigmoid and q/k L2 norm fused in the kernel (``safe_gate=True, lower_bound=-5``); tests pin it to
-``kda_chunked``.
+``kda_chunked``. The short convolutions run fla's Triton ``causal_conv1d`` there (SiLU fused; compared with
+the ``F.conv1d`` reference in fp64 on the GPU by ``tools/bench_ops.py --parts short_conv`` and
+``tools/gpu_check.py --only fused``).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +69,39 @@ def kda_gate(graw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     return lower_bound * torch.sigmoid(a * z)
 
 
+def _fla_causal_conv1d():
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d as fla_conv  # noqa: WPS433
+    except Exception:  # not installed, or no triton/GPU
+        return None
+    return fla_conv
+
+
+def short_conv_impl(x: torch.Tensor, cache: torch.Tensor | None = None) -> str:
+    """Which form ``causal_conv1d`` runs: ``fla`` (flash-linear-attention's Triton kernel, fp32 accumulation,
+    SiLU fused, strided input read in place, weight gradient reduced in fp32) for CUDA tensors without a
+    ``cache`` when fla is installed, ``compiled`` (``causal_conv1d_shifted`` through torch.compile) for other
+    CUDA training calls, else ``reference``. ``K3_SHORT_CONV=compiled`` keeps CUDA off the fla kernel."""
+    if (x.is_cuda and cache is None and os.environ.get("K3_SHORT_CONV", "fla") == "fla"
+            and _fla_causal_conv1d() is not None):
+        return "fla"
+    return "compiled" if compile_enabled(x) else "reference"
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: bool = True,
                   cache: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv over time: x [B, T, C], weight [C, 1, K] -> [B, T, C] (fp32 math, cast back).
 
     ``cache`` [B, K-1, C] holds the K-1 inputs preceding x (zeros if None), e.g. from a previous CP rank.
+    The fast forms (``short_conv_impl``) give the same values up to fp32 summation order.
     """
-    if compile_enabled(x):
+    impl = short_conv_impl(x, cache)
+    if impl == "fla":
+        C, K = weight.shape[0], weight.shape[-1]
+        y, _ = _fla_causal_conv1d()(x, weight.reshape(C, K), activation="silu" if activation else None,
+                                    backend="triton")
+        return y
+    if impl == "compiled":
         return compiled(causal_conv1d_shifted)(x, weight, activation, cache)
     B, T, C = x.shape
     K = weight.shape[-1]
