@@ -50,7 +50,9 @@ concatenated weight (a P D, per layer) is saved and whose output stays alive thr
           latent RMSNorm Tm (8L + 4), up projection input Tm a L; shared experts as an FFN of width
           n_shared F / TP on N tokens; the grouped experts (megatron_k3/megatron/experts.py) save the
           same (they re-stack the weights in backward instead of keeping a stacked copy)
-    embedding N 9 (ids, mask); head: final mix + norm, CE input a D N, targets 8 N; pipeline stages keep
+    embedding N 9 (ids, mask); head: final mix + norm, then per CE call (LM head and each MTP depth)
+          d hidden a D N and d weight a D V / TP (the fast CE forms them in forward,
+          ``model/k3.py: linear_cross_entropy``); pipeline stages keep
           their received and sent states (blocks + 1) a D Tn per micro-batch in flight
 
 Selective recompute keeps only the inputs of the recomputed cores (KDA: graw, ap, beside P, and the 8p output
@@ -369,7 +371,10 @@ def head_bytes(cfg: K3Config, g: Geometry) -> dict:
     out = {}
     if cfg.attn_res_block_size is not None:
         out["attn_res"] = mix_bytes(g.Tn, blocks_before(cfg, cfg.num_hidden_layers) + 1, D)
-    out["head"] = rms(g.Tn, D) + g.N * (g.a * D + 8)
+    # linear_cross_entropy keeps d hidden (full over TP) and d weight (this rank's V/TP rows, weight dtype)
+    # from forward to backward, once per CE call (LM head and each MTP depth)
+    ce_calls = 1 + cfg.num_nextn_predict_layers
+    out["head"] = rms(g.Tn, D) + ce_calls * g.a * D * (g.N + cfg.vocab_size / g.tp)
     return out
 
 
