@@ -58,7 +58,8 @@ def test_falls_back_when_odirect_refused(tmp_path, monkeypatch):
 
 
 def test_page_cache_growth_1gib(root, tmp_path):
-    """tools/bench_checkpoint.py at 1 GiB: O_DIRECT leaves < 64 MiB of page cache, buffered ~ the size."""
+    """tools/bench_checkpoint.py at 1 GiB: O_DIRECT leaves < 64 MiB of its files in the page cache, buffered
+    ~ the size (mincore on the checkpoint's own files)."""
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_checkpoint.py"), "--size-gib", "1",
                         "--dir", str(tmp_path / "d"), "--json", str(out)], capture_output=True, text=True,
@@ -68,8 +69,9 @@ def test_page_cache_growth_1gib(root, tmp_path):
     if not rep["odirect_supported"]:
         pytest.skip("no O_DIRECT on this file system")
     assert rep["odirect_files_read_by_stock_reader_bit_exact"]
-    assert rep["writers"]["odirect"]["page_cache_growth_bytes"] < 64 << 20
     assert rep["writers"]["odirect"]["checkpoint_pages_in_cache_bytes"] < 64 << 20
-    # buffered: its own files are in the page cache (mincore; /proc/meminfo's Cached also moves with other
-    # processes' cache traffic, which made a Cached-based check flaky on a busy machine)
+    # Both writers are judged by their own files' pages (mincore). The report's page_cache_growth_bytes is
+    # /proc/meminfo's Cached delta, which also moves with other processes' cache traffic: with the test suite's
+    # other worker writing checkpoints beside this one it read 110 MB for the O_DIRECT writer in a clean-clone
+    # CI run (2026-12-03), a number no test here can attribute to this writer, so it is reported, not asserted.
     assert rep["writers"]["buffered"]["checkpoint_pages_in_cache_bytes"] > 0.8 * (1 << 30)
