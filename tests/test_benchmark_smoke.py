@@ -64,3 +64,16 @@ def test_bench_host_smoke(root, tmp_path):
               "optimizer_step", "grad_norm", "clip", "zero_grad"):
         assert k in t and t[k] >= 0, k
     assert t["wall"] >= t["forward_backward"] + t["optimizer_step"] and rep["parameter_tensors"] > 100
+
+
+def test_preload_torch_cudnn_maps_torch_cudnn(root):
+    """gpu_check's preload mode loads the pip cuDNN's parts (the package is installed with torch here too) into
+    the process, libcudnn_graph first, so later loads by soname find them instead of a system cuDNN."""
+    code = ("import sys; sys.argv = ['x']; sys.path.insert(0, 'tools'); import gpu_check; "
+            "libs = gpu_check.preload_torch_cudnn(); print(libs); "
+            "maps = open('/proc/self/maps').read(); "
+            "assert libs and 'libcudnn_graph' in libs[0] and libs[-1].endswith('/libcudnn.so.9'), libs; "
+            "assert all(f in maps for f in libs), 'not mapped'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-2000:]

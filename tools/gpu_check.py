@@ -382,15 +382,47 @@ def check_layer_graphs(cfg, report):
 SDPA_SHAPE = (4, 32, 4096, 96, 64)  # k3-mini's MLA at 4 x 4096 tokens: batch, heads, seq, d_qk, d_v
 
 
-def sdpa_probe(te_first: bool) -> dict:
-    """Which kernel SDPA runs at k3-mini's MLA shape in this process, with or without Transformer Engine
-    imported before torch touches cuDNN (as in the megatron model: megatron-core imports TE at import time).
-    Reports the cuDNN version torch sees, the libcudnn files mapped into the process, the fwd+bwd time of
-    the default choice and of each backend forced alone, and the reason torch gives when one refuses."""
+SDPA_MODES = ("plain", "te-first", "preload-te-first")
+
+
+def preload_torch_cudnn() -> list[str]:
+    """dlopen torch's pip cuDNN libraries (package ``nvidia.cudnn``) with RTLD_GLOBAL, ``libcudnn_graph``
+    first (the others need it by soname), so that a later load by soname finds them instead of a system
+    cuDNN. Returns the files loaded (none without the package)."""
+    import ctypes
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cudnn")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    libs = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "lib", "libcudnn*.so.9")))
+    libs.sort(key=lambda f: (not os.path.basename(f).startswith("libcudnn_graph"),
+                             os.path.basename(f) == "libcudnn.so.9"))  # graph, the other parts, the front end
+    for f in libs:
+        ctypes.CDLL(f, mode=ctypes.RTLD_GLOBAL)
+    return libs
+
+
+def sdpa_probe(mode: str) -> dict:
+    """Which kernel SDPA runs at k3-mini's MLA shape in this process (``mode``): ``plain`` (torch alone),
+    ``te-first`` (Transformer Engine imported before torch touches cuDNN, as in the megatron model:
+    megatron-core imports TE at import time) or ``preload-te-first`` (torch's own cuDNN libraries loaded
+    first, ``preload_torch_cudnn``, then TE). Reports the cuDNN version torch sees, the libcudnn files mapped
+    into the process, the fwd+bwd time of the default choice, of the order ``K3_SDPA_BACKEND=cudnn`` sets
+    (``megatron_k3.model.mla.sdpa_backends``) and of each backend forced alone, the reason torch gives when
+    one refuses, and how far cuDNN's output and gradients are from the memory-efficient kernel's
+    (``vs_efficient``, max abs difference over max abs value)."""
     import time
     import warnings
 
-    out = {"te_imported_first": te_first}
+    te_first = mode != "plain"
+    out = {"mode": mode, "te_imported_first": te_first}
+    if mode == "preload-te-first":
+        try:
+            out["preloaded"] = preload_torch_cudnn()
+        except OSError as e:
+            out["preloaded"] = f"error: {e}"
     if te_first:
         try:
             import transformer_engine
@@ -422,7 +454,8 @@ def sdpa_probe(te_first: bool) -> dict:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             try:
-                with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                with (sdpa_kernel(backends, set_priority=len(backends) > 1) if backends
+                      else contextlib.nullcontext()):
                     for _ in range(3):
                         fwd_bwd()
                     torch.cuda.synchronize()
@@ -449,18 +482,39 @@ def sdpa_probe(te_first: bool) -> dict:
     for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
                      ("flash", SDPBackend.FLASH_ATTENTION)):
         out[name] = timed([be])
+    os.environ["K3_SDPA_BACKEND"] = "cudnn"
+    from megatron_k3.model.mla import sdpa_backends
+
+    order = sdpa_backends(cuda=True)
+    os.environ.pop("K3_SDPA_BACKEND")
+    out["k3_sdpa_backend_cudnn"] = timed(order)  # the list with set_priority, as causal_attention uses it
+
+    def result(backends):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(backends):
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=(dk ** -0.5))
+            o.backward(dout)
+        return [o.detach(), qq.grad, kk.grad, vv.grad]
+
+    try:
+        ref = result([SDPBackend.EFFICIENT_ATTENTION])
+        got = result([SDPBackend.CUDNN_ATTENTION])
+        out["vs_efficient"] = {name: float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                               for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+    except Exception as e:  # noqa: BLE001
+        out["vs_efficient"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     with open("/proc/self/maps") as f:
         out["libcudnn_mapped"] = sorted({ln.split()[-1] for ln in f if "libcudnn" in ln and "/" in ln})
     return out
 
 
 def check_sdpa(report):
-    """``sdpa_probe`` in two fresh processes: torch alone, and Transformer Engine imported first."""
+    """``sdpa_probe`` in a fresh process per mode (``SDPA_MODES``)."""
     import json
     import subprocess
 
     res = {}
-    for mode in ("plain", "te-first"):
+    for mode in SDPA_MODES:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--sdpa-probe", mode],
                            capture_output=True, text=True, timeout=600)
         try:
@@ -492,7 +546,7 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--sdpa-probe":  # child of check_sdpa: one JSON line
         import json
 
-        print(json.dumps(sdpa_probe(sys.argv[2] == "te-first")))
+        print(json.dumps(sdpa_probe(sys.argv[2])))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
@@ -500,8 +554,9 @@ def main():
                     default="all",
                     help="fast: grouped experts, the foreach/fused optimizer fallbacks, SiTU shapes, compiled glue; "
                          "compiled: the compiled glue only; graphs: CUDA graphs of the layers vs eager; sdpa: which "
-                         "attention kernel SDPA picks at k3-mini's MLA shape with and without Transformer Engine "
-                         "imported first; fused: fla's short convolution and the fast linear CE vs fp64 (the "
+                         "attention kernel SDPA picks at k3-mini's MLA shape with torch alone, with Transformer Engine "
+                         "imported first and with torch's cuDNN loaded before TE, and cuDNN's kernel vs the "
+                         "memory-efficient one; fused: fla's short convolution and the fast linear CE vs fp64 (the "
                          "megatron model that runs both: the default checks)")
     ap.add_argument("--graphs-preset", choices=["gpu", "k3-mini"], default="gpu",
                     help="model of --only graphs: gpu (the widened k3-tiny of the other checks) or k3-mini at "

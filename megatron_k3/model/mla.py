@@ -10,14 +10,41 @@ r"""Gated NoPE Multi-head Latent Attention (the full-attention layers of K3).
 
 ``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6. The attention core is PyTorch SDPA (cuDNN's kernel on
 the H200 for contiguous inputs, the math kernel on CPU); the same module is the reference on both.
+``K3_SDPA_BACKEND=cudnn`` puts cuDNN's kernel first in SDPA's choice on CUDA (``sdpa_backends``).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .common import Linear, RMSNorm, fast, scaled_init_std, sigmoid_gate
+
+
+SDPA_BACKEND_CHOICES = ("auto", "cudnn")
+
+
+def sdpa_backends(cuda: bool):
+    """SDPA kernels in priority order for ``causal_attention`` (on a CUDA device if ``cuda``), or None for
+    torch's own order.
+
+    ``K3_SDPA_BACKEND``: ``auto`` (default) leaves the choice to torch; ``cudnn`` puts cuDNN's kernel first on
+    CUDA, then flash, memory-efficient and math. Why: with Transformer Engine imported, the H200 machine loaded
+    a system cuDNN 9.14 beside torch's 9.19, torch's default order then put the memory-efficient kernel first
+    (13.8 ms fwd+bwd at k3-mini's MLA shape) although cuDNN's, forced, still ran (3.6 ms;
+    ``benchmarks/results/gpu_check_sdpa_cudnn_path_attempt_h200_2026-12-03.json``). Whether it matches the
+    other kernels there is what ``tools/gpu_check.py --only sdpa`` compares (``vs_efficient``)."""
+    choice = os.environ.get("K3_SDPA_BACKEND", "auto")
+    if choice not in SDPA_BACKEND_CHOICES:
+        raise ValueError(f"K3_SDPA_BACKEND={choice!r}: expected one of {', '.join(SDPA_BACKEND_CHOICES)}")
+    if choice == "auto" or not cuda:
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -29,7 +56,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if q.is_cuda:
         q, k, v = (t.contiguous() for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    backends = sdpa_backends(q.is_cuda)
+    if backends is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(backends, set_priority=True):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return o.transpose(1, 2)
 
 
