@@ -11,6 +11,7 @@ from megatron_k3.model.mla import causal_attention, sdpa_backends
 def test_sdpa_backend_choice(monkeypatch):
     monkeypatch.delenv("K3_SDPA_BACKEND", raising=False)
     assert sdpa_backends(cuda=True) is None
+    assert sdpa_backends(cuda=True, choice="cudnn")[0] == SDPBackend.CUDNN_ATTENTION  # explicit beats the env
     monkeypatch.setenv("K3_SDPA_BACKEND", "cudnn")
     order = sdpa_backends(cuda=True)
     assert order[0] == SDPBackend.CUDNN_ATTENTION and SDPBackend.MATH in order

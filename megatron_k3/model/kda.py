@@ -32,6 +32,7 @@ the ``F.conv1d`` reference in fp64 on the GPU by ``tools/bench_ops.py --parts sh
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -69,7 +70,10 @@ def kda_gate(graw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     return lower_bound * torch.sigmoid(a * z)
 
 
+@functools.lru_cache(maxsize=None)
 def _fla_causal_conv1d():
+    """fla's ``causal_conv1d`` or None; looked up once (``short_conv_impl`` asks on every CUDA call, and a
+    failing import would search the path each time)."""
     try:
         from fla.modules.causal_conv1d import causal_conv1d as fla_conv  # noqa: WPS433
     except Exception:  # not installed, or no triton/GPU
