@@ -33,8 +33,8 @@ def sdpa_backends(cuda: bool, choice: str | None = None):
     ``choice`` (default: ``K3_SDPA_BACKEND``, else ``auto``): ``auto`` leaves the choice to torch; ``cudnn``
     puts cuDNN's kernel first on CUDA, then flash, memory-efficient and math. Why: with Transformer Engine
     imported, the H200 machine loaded a system cuDNN 9.14 beside torch's 9.19, torch's default order then put
-    the memory-efficient kernel first (13.8 ms fwd+bwd at k3-mini's MLA shape) although cuDNN's, forced, still ran (3.6 ms;
-    ``benchmarks/results/gpu_check_sdpa_cudnn_path_attempt_h200_2026-12-03.json``). Whether it matches the
+    the memory-efficient kernel first (13.8 ms fwd+bwd at k3-mini's MLA shape) although cuDNN's, forced, still
+    ran (3.6 ms; ``benchmarks/results/gpu_check_sdpa_cudnn_path_attempt_h200_2026-12-03.json``). Whether it matches the
     other kernels there is what ``tools/gpu_check.py --only sdpa`` compares (``vs_efficient``)."""
     if choice is None:
         choice = os.environ.get("K3_SDPA_BACKEND", "auto")
