@@ -14,7 +14,10 @@ every baseline accumulates over the same micro-batches.
 In the same process it then times the **seed-style baseline** (``--baselines seed``): the golden
 plain-PyTorch ``K3ForCausalLM`` on one device as a careful single-GPU user would run it (bf16 weights, fla
 ``chunk_kda`` on CUDA, grouped-GEMM experts, chunked cross-entropy, fused AdamW, and on CUDA the same
-torch.compile'd element-wise glue as the K3 model: ``K3_COMPILE=0`` runs both eagerly) on the same shapes and data, and reports ``speedup_vs_seed``; and megatron-core's own ``GPTModel``
+torch.compile'd element-wise glue as the K3 model: ``K3_COMPILE=0`` runs both eagerly) on the same shapes
+and data, and reports ``speedup_vs_seed`` (``seed_compiledconv``: the same with torch.compile'd short
+convolutions instead of fla's, ``K3_SHORT_CONV=compiled``; hold a target against the faster of the two);
+and megatron-core's own ``GPTModel``
 (``--baselines gptmodel``: MLA + MoE at the same width, depth, heads, experts and vocabulary, TE spec when
 Transformer Engine imports; see ``gptmodel_config``), reported as ``speedup_vs_gptmodel``. On CUDA one extra
 profiled step gives ``breakdown``: device time by kernel kind (GEMM, fla KDA, attention, optimizer,
@@ -24,7 +27,9 @@ the MLA layers (3 x 2 x (S/2) x H x (d_qk + d_v)) and the KDA chunked recurrence
 (3 x H x (4 C d + 4 d^2) with chunk C = 64).
 """
 import argparse
+import contextlib
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -63,8 +68,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="also profile one extra step; write the top ops table here")
     ap.add_argument("--baselines", default="seed,gptmodel",
-                    help="comma list of same-run baselines: seed, gptmodel, k3eager (this K3 model again without "
-                         "layer graphs; with --cuda-graph-impl local), or none")
+                    help="comma list of same-run baselines: seed, seed_compiledconv (the seed with "
+                         "K3_SHORT_CONV=compiled: torch.compile'd short convolutions instead of fla's), gptmodel, "
+                         "k3eager (this K3 model again without layer graphs; with --cuda-graph-impl local), or none")
     ap.add_argument("--fp8-recipe", default=None, choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
                     help="the K3 model's projections in FP8 (megatron_k3/precision.py); baselines stay bf16")
     ap.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -127,8 +133,10 @@ def main():
                 b["loss_max_abs_diff_vs_k3"] = max(abs(x - y) for x, y in zip(b["losses"], k3["losses"]))
                 baselines[name] = b
             else:
-                fn = {"seed": seed_baseline, "gptmodel": gptmodel_baseline}[name]
-                baselines[name] = fn(cfg, B, S, M, device, dtype, args.warmup, args.steps)
+                fn = {"seed": seed_baseline, "seed_compiledconv": seed_baseline, "gptmodel": gptmodel_baseline}[name]
+                env = {"K3_SHORT_CONV": "compiled"} if name == "seed_compiledconv" else {}
+                with patched_env(env):
+                    baselines[name] = fn(cfg, B, S, M, device, dtype, args.warmup, args.steps)
         except Exception as e:  # noqa: BLE001  (report, do not lose the K3 measurement)
             import traceback
 
@@ -177,7 +185,7 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
     ``args.seq_length`` tokens and, on CUDA, one profiled step. Returns the measurement; the model is freed on
     return so a baseline can follow in the same process."""
     from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays
+    from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays, release_layer_graphs
     from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
                                               make_forward_step, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
@@ -228,7 +236,9 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
                 f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
     replays = layer_graph_replays(chunks)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+    release_layer_graphs(chunks)
     del opt, ddp, chunks, train_step, outs
+    gc.collect()  # the graphs' private pools and the model's cycles, before a baseline allocates
     return {"build_and_init_s": build_s, "graph_capture_s": capture_s, "graph_error": graph_error,
             "layer_graph_replays": replays, "step_times_s": times, "median_step_s": statistics.median(times),
             "losses": losses, "peak_memory_gib": peak, "breakdown": breakdown}
@@ -252,6 +262,21 @@ def random_batches(vocab: int, B: int, S: int, M: int, n: int, seed: int = 0):
             step.append((t[:, :-1], t[:, 1:]))
         out.append(step)
     return out
+
+
+@contextlib.contextmanager
+def patched_env(env: dict):
+    """``os.environ`` updated with ``env`` inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def time_steps(step, batches, device, warmup: int):

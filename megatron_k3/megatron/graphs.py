@@ -161,6 +161,15 @@ def layer_graph_replays(chunks) -> int:
                if getattr(lay, "k3_graph", None) is not None)
 
 
+def release_layer_graphs(chunks) -> None:
+    """Drop the captured graphs of ``chunks`` (each ``GraphedLayer`` and its layer refer to each other, so
+    without this their private memory pools outlive the model until the garbage collector runs)."""
+    for m in _k3_models(chunks):
+        for layer in m.layers.values():
+            if getattr(layer, "k3_graph", None) is not None:
+                layer.k3_graph = None
+
+
 def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, warmup_iters: int = 3) -> int:
     """Capture every decoder layer of ``chunks`` (``check_cuda_graphs`` passed) for micro-batches of
     ``micro_batch_size`` x ``seq_length`` tokens; returns the number of layers captured. ``ddp``: the DDP

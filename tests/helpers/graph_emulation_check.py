@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays  # noqa: E402
+from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays, release_layer_graphs  # noqa: E402
 from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
                                           init_distributed, make_forward_step, moe_routers, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
@@ -121,6 +121,19 @@ for mode in ("eager", "graphs"):
     params = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     bias = torch.cat([r.expert_bias.detach().clone() for _, r in moe_routers(chunks)])
     res[mode] = (losses, params, bias, n_layers, replays, grads1)
+    if mode == "graphs":  # release_layer_graphs frees the graphs at once, without the garbage collector
+        import gc
+        import weakref
+
+        gc.disable()
+        try:
+            from megatron.core.utils import unwrap_model
+
+            refs = [weakref.ref(lay.k3_graph) for lay in unwrap_model(chunks[0]).layers.values()]
+            release_layer_graphs(chunks)
+            assert all(r() is None for r in refs) and layer_graph_replays(chunks) == 0
+        finally:
+            gc.enable()
 
 
 def worst(a, b):
