@@ -80,3 +80,45 @@ def test_preload_torch_cudnn_maps_torch_cudnn(root):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
                        env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _benchmark_module(root):
+    sys.path.insert(0, os.path.join(root, "tools"))
+    try:
+        import benchmark
+    finally:
+        sys.path.pop(0)
+    return benchmark
+
+
+def test_idle_gaps_charges_each_gap_to_its_host_phase(root):
+    """The device-idle analysis of the profiled step (``idle_gaps``) on a hand-made timeline (microseconds)."""
+    idle_gaps = _benchmark_module(root).idle_gaps
+    kernels = [(0, 10, "a"), (5, 12, "b"), (2, 4, "inside_a"),   # overlapping and nested kernels: no gap
+               (20, 30, "c"), (100, 110, "d"), (111, 120, "e"), (140, 150, "f")]
+    ranges = [(0, 80, "k3.forward_backward"), (0, 15, "k3.forward"), (85, 125, "k3.optimizer_step")]
+    r = idle_gaps(kernels, ranges)
+    # gaps: 12-20 (backward: in forward_backward, after k3.forward), 30-100 (backward), 110-111 (optimizer),
+    # 120-140 (midpoint 130: no phase)
+    assert abs(r["idle_s"] - 99e-6) < 1e-12
+    assert list(r["by_phase_s"]) == ["backward", "unannotated", "optimizer_step"]  # largest first
+    assert all(abs(r["by_phase_s"][k] - v) < 1e-12 for k, v in (("backward", 78e-6), ("unannotated", 20e-6),
+                                                                  ("optimizer_step", 1e-6)))
+    assert r["longest"][0] == {"us": 70, "phase": "backward", "after_kernel": "c", "before_kernel": "d"}
+    assert r["longest"][-1]["us"] == 1 and len(r["longest"]) == 4
+    assert idle_gaps([], ranges) == {"idle_s": 0.0, "by_phase_s": {}, "longest": []}
+
+
+def test_profile_intervals_reads_the_phase_ranges(root):
+    """``profile_intervals`` takes the ``k3.*`` host ranges (and, on CUDA, the kernels) from a real profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    profile_intervals = _benchmark_module(root).profile_intervals
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("k3.forward"):
+            torch.ones(64, 64).sum()
+        with record_function("other"):
+            torch.ones(8).sum()
+    kernels, ranges = profile_intervals(prof)
+    assert kernels == [] and [n for _, _, n in ranges] == ["k3.forward"] and ranges[0][1] > ranges[0][0]

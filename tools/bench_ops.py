@@ -9,7 +9,8 @@ Parts (``--parts``, default all):
   the flash kernel (its output columns past d_v are exactly zero, so the math is unchanged).
 - ``attn_res``: the Attention-Residual mixer (``attn_res.attn_res_mix_reference``, torch.compile'd as the
   model runs it) at k3-mini's [4, 4096, 1024] bf16 with N = 2..5 candidates, against the earlier einsum
-  form of the same formula (``einsum_mix`` below).
+  form of the same formula (``einsum_mix`` below) and the Triton kernels (``attn_res_triton.py``,
+  ``K3_ATTN_RES=triton``).
 - ``ce``: cross-entropy of one [4096, 163840] bf16 logits chunk (the LM head's chunk at k3-mini):
   ``k3.cross_entropy_sum`` compiled against the eager ``F.cross_entropy(logits.float())``.
 
@@ -21,7 +22,7 @@ Parts (``--parts``, default all):
   megatron model runs; at TP 1 here) against ``chunked_cross_entropy`` (each chunk recomputed in backward).
 
 Each is timed forward + backward with CUDA events (median of ``--iters`` after warm-up and compilation;
-``short_conv`` and ``linear_ce`` also report ``kernels_s``, the profiled device time of the kernels alone, which
+``attn_res``, ``short_conv`` and ``linear_ce`` also report ``kernels_s``, the profiled device time of the kernels alone, which
 is what the op costs inside the layers' CUDA graphs where launch time is hidden) and
 checked against an fp32/fp64 reference (relative Frobenius error of the output and input gradients).
 
@@ -135,6 +136,7 @@ def einsum_mix(prefix, blocks, query, norm_weight, eps):
 
 def part_attn_res(iters):
     from megatron_k3.model.attn_res import attn_res_mix_reference
+    from megatron_k3.model.attn_res_triton import attn_res_mix_triton
     from megatron_k3.model.common import compiled
 
     B, T, D = 4, 4096, 1024
@@ -150,13 +152,18 @@ def part_attn_res(iters):
         ref.backward(dy.double())
         refs = [ref.detach()] + [t.grad for t in ref_in]
         res = {}
-        for name, fn in (("einsum_compiled", compiled(einsum_mix)), ("now_compiled", compiled(attn_res_mix_reference))):
+        forms = (("einsum_compiled", compiled(einsum_mix)), ("now_compiled", compiled(attn_res_mix_reference)),
+                 ("triton", attn_res_mix_triton))
+        for name, fn in forms:
             ins = [c.clone().requires_grad_() for c in cands]
-            s, y, grads = time_fwd_bwd(lambda *xs: fn(xs[-1], list(xs[:-1]), q, w, 1e-6), ins, dy, iters)
+            mix = lambda *xs, fn=fn: fn(xs[-1], list(xs[:-1]), q, w, 1e-6)  # noqa: E731
+            s, y, grads = time_fwd_bwd(mix, ins, dy, iters)
             nbytes = 2 * B * T * D * (n + 1) * 2  # fwd: read n, write 1; bwd: ~ the same again (bf16 floor)
-            res[name] = {"fwd_bwd_s": s, "bytes_floor_s": nbytes / 4.3e12,
+            res[name] = {"fwd_bwd_s": s, "kernels_s": kernel_time_fwd_bwd(mix, ins, dy, 3),
+                         "bytes_floor_s": nbytes / 4.3e12,
                          "rel_err_vs_fp64": [rel(a, b) for a, b in zip([y] + grads, refs)]}
         res["speedup"] = res["einsum_compiled"]["fwd_bwd_s"] / res["now_compiled"]["fwd_bwd_s"]
+        res["speedup_triton_kernels"] = res["now_compiled"]["kernels_s"] / res["triton"]["kernels_s"]
         out[f"N={n}"] = res
     return out
 

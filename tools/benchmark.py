@@ -229,7 +229,8 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
                 torch.cuda.synchronize()
             prof_wall = time.perf_counter() - t1
         if cuda:
-            breakdown = {"profiled_step_wall_s": prof_wall, **kernel_breakdown(prof)}
+            breakdown = {"profiled_step_wall_s": prof_wall, **kernel_breakdown(prof),
+                         "idle_gaps": idle_gaps(*profile_intervals(prof))}
         if profile_path:
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             with open(profile_path, "w") as f:
@@ -317,13 +318,22 @@ def megatron_step(ddp, opt, forward_step, B: int, S: int):
 
     fb = get_forward_backward_func()
 
-    def step(micro_batches):
-        ddp[0].zero_grad_buffer()
-        opt.zero_grad()
+    from torch.profiler import record_function
+
+    def annotated_forward_step(data_iterator, model):
+        with record_function("k3.forward"):
+            return forward_step(data_iterator, model)
+
+    def step(micro_batches):  # the k3.* ranges name the host phases for the profiled step's idle_gaps
+        with record_function("k3.zero_grad"):
+            ddp[0].zero_grad_buffer()
+            opt.zero_grad()
         data = iter([{"tokens": t, "labels": y} for t, y in micro_batches])
-        out = fb(forward_step_func=forward_step, data_iterator=data, model=ddp[0],
-                 num_microbatches=len(micro_batches), seq_length=S, micro_batch_size=B, forward_only=False)
-        opt.step()
+        with record_function("k3.forward_backward"):
+            out = fb(forward_step_func=annotated_forward_step, data_iterator=data, model=ddp[0],
+                     num_microbatches=len(micro_batches), seq_length=S, micro_batch_size=B, forward_only=False)
+        with record_function("k3.optimizer_step"):
+            opt.step()
         return out  # megatron's per-micro-batch loss dicts
 
     return step
@@ -505,6 +515,56 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
             "kernel_launches": sum(c for v in kernels.values() for _, c, _ in v), "top_by_kind": top,
             "top_ops": [{"s": round(t, 5), "calls": c, "op": n, "shapes": sh}
                         for t, c, n, sh in sorted(ops, reverse=True)[:top_ops]]}
+
+
+def idle_gaps(kernels, ranges, top_n: int = 12) -> dict:
+    """Where the device waits for the host within one profiled step. ``kernels``: (start_us, end_us, name) of
+    every device kernel/copy; ``ranges``: (start_us, end_us, name) of the host's ``k3.*`` phase annotations
+    (``megatron_step``). Between the first kernel's start and the last kernel's end, every stretch with no
+    kernel running is idle; each is charged to the innermost phase whose host range covers its midpoint
+    (``backward`` for ``k3.forward_backward`` outside ``k3.forward``; ``unannotated`` when none does).
+    Returns the idle total, idle per phase, and the ``top_n`` longest gaps with the kernels on either side."""
+    ks = sorted(kernels)
+    if not ks:
+        return {"idle_s": 0.0, "by_phase_s": {}, "longest": []}
+    gaps, end, prev = [], ks[0][1], ks[0][2]
+    for a, b, name in ks[1:]:
+        if a > end:
+            gaps.append((a - end, end, a, prev, name))
+        if b >= end:
+            end, prev = b, name
+    names = {"k3.forward_backward": "backward"}
+
+    def phase(t):
+        cover = [r for r in ranges if r[0] <= t <= r[1]]
+        if not cover:
+            return "unannotated"
+        inner = max(cover, key=lambda r: r[0])[2]  # ranges nest: the latest-starting one is the innermost
+        return names.get(inner, inner.removeprefix("k3."))
+
+    by_phase = {}
+    longest = []
+    for dur, a, b, before, after in gaps:
+        ph = phase((a + b) / 2)
+        by_phase[ph] = by_phase.get(ph, 0.0) + dur / 1e6
+        longest.append({"us": round(dur, 1), "phase": ph, "after_kernel": before[:70], "before_kernel": after[:70]})
+    longest.sort(key=lambda g: -g["us"])
+    return {"idle_s": round(sum(g[0] for g in gaps) / 1e6, 6),
+            "by_phase_s": {k: round(v, 6) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
+            "longest": longest[:top_n]}
+
+
+def profile_intervals(prof):
+    """(kernels, ranges) for ``idle_gaps`` from a finished ``torch.profiler.profile``."""
+    kernels, ranges = [], []
+    for e in prof.events():
+        tr = e.time_range
+        if e.device_type.name == "CUDA":
+            if not (getattr(e, "is_user_annotation", False) or "#" in e.name or e.name.startswith("k3.")):
+                kernels.append((tr.start, tr.end, e.name))
+        elif e.name.startswith("k3."):
+            ranges.append((tr.start, tr.end, e.name))
+    return kernels, ranges
 
 
 def _self_device_us(e) -> float:

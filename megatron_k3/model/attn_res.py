@@ -25,16 +25,37 @@ mean ``(emb + sum_outputs) / 2``. ``w (.) gamma`` is never cached here, so a wei
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from .common import acc_dtype, fast
+from .common import acc_dtype, compile_enabled, fast
+
+
+def attn_res_impl(cands: list[torch.Tensor]) -> str:
+    """Which form ``attn_res_mix`` runs for these candidates: ``triton`` (``attn_res_triton.py``: one pass
+    over the candidates in place, no stacked copy) for CUDA tensors with ``K3_ATTN_RES=triton`` (opt-in
+    until measured on a GPU) when the kernels take them (same shape and dtype, contiguous); else the
+    reference, torch.compile'd on CUDA (``compiled``) or eager (``reference``)."""
+    if cands[0].is_cuda and os.environ.get("K3_ATTN_RES", "compiled") == "triton":
+        from .attn_res_triton import supported
+
+        if supported(cands):
+            return "triton"
+    return "compiled" if compile_enabled(cands[0]) else "reference"
 
 
 def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """Softmax-weighted mix of ``blocks + [prefix]`` (each [..., D]); query and norm_weight are [D].
-    On CUDA the reference below compiled (one graph per number of candidates); elsewhere the reference."""
+    On CUDA the reference below compiled (one graph per number of candidates), or the Triton kernels
+    (``attn_res_impl``); elsewhere the reference."""
+    impl = attn_res_impl(list(blocks) + [prefix])
+    if impl == "triton":
+        from .attn_res_triton import attn_res_mix_triton
+
+        return attn_res_mix_triton(prefix, list(blocks), query, norm_weight, eps)
     return fast(attn_res_mix_reference, prefix)(prefix, list(blocks), query, norm_weight, eps)
 
 
