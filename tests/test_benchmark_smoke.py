@@ -122,3 +122,17 @@ def test_profile_intervals_reads_the_phase_ranges(root):
             torch.ones(8).sum()
     kernels, ranges = profile_intervals(prof)
     assert kernels == [] and [n for _, _, n in ranges] == ["k3.forward"] and ranges[0][1] > ranges[0][0]
+
+
+def test_device_ranges_are_not_kernels(root):
+    """Annotation ranges on the device timeline (``Optimizer.step#...``, the ``k3.*`` phases) are not counted
+    as kernels by the breakdown or the idle analysis; kernels and copies are."""
+    from types import SimpleNamespace
+
+    is_device_kernel = _benchmark_module(root).is_device_kernel
+    cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
+    ev = lambda dev, ann=False: SimpleNamespace(device_type=dev, is_user_annotation=ann)  # noqa: E731
+    assert is_device_kernel(ev(cuda), "nvjet_sm90_tst_256x128") and is_device_kernel(ev(cuda), "Memcpy DtoD")
+    for e, name in ((ev(cuda), "k3.forward_backward"), (ev(cuda), "Optimizer.step#AdamW.step"),
+                    (ev(cuda, True), "my_range"), (ev(cpu), "aten::mm")):
+        assert not is_device_kernel(e, name), name

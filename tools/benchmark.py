@@ -559,10 +559,9 @@ def profile_intervals(prof):
     kernels, ranges = [], []
     for e in prof.events():
         tr = e.time_range
-        if e.device_type.name == "CUDA":
-            if not (getattr(e, "is_user_annotation", False) or "#" in e.name or e.name.startswith("k3.")):
-                kernels.append((tr.start, tr.end, e.name))
-        elif e.name.startswith("k3."):
+        if is_device_kernel(e, e.name):
+            kernels.append((tr.start, tr.end, e.name))
+        elif e.device_type.name != "CUDA" and e.name.startswith("k3."):
             ranges.append((tr.start, tr.end, e.name))
     return kernels, ranges
 
@@ -573,13 +572,17 @@ def _self_device_us(e) -> float:
     return getattr(e, "self_cuda_time_total", 0.0) if t is None else t
 
 
+def is_device_kernel(e, name: str) -> bool:
+    """Whether a profiler event or average (``name``: its name or key) is a device kernel or copy: ranges shown
+    on the device timeline (user annotations such as ``Optimizer.step#...`` and ``megatron_step``'s ``k3.*``
+    phases) are not, and would count the kernels inside them twice."""
+    return (e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False) and "#" not in name
+            and not name.startswith("k3."))
+
+
 def kernel_device_us(e) -> float:
-    """``_self_device_us`` of a profiler average that is a device kernel, else 0: ranges shown on the device
-    timeline (user annotations such as ``Optimizer.step#...``) are not kernels and would count the kernels
-    inside them twice."""
-    if e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False) or "#" in e.key:
-        return 0.0
-    return _self_device_us(e)
+    """``_self_device_us`` of a profiler average that is a device kernel (``is_device_kernel``), else 0."""
+    return _self_device_us(e) if is_device_kernel(e, e.key) else 0.0
 
 
 def seed_baseline(cfg, B, S, M, device, dtype, warmup, steps):

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from benchmark import write_report  # noqa: E402
+from benchmark import patched_env, write_report  # noqa: E402
 
 
 def rel(a, b):
@@ -180,17 +180,9 @@ def reference_short_conv():
     the two variables are restored on exit."""
     from megatron_k3.model import kda
 
-    old = {k: os.environ.get(k) for k in ("K3_SHORT_CONV", "K3_COMPILE")}
-    os.environ.update(K3_SHORT_CONV="off", K3_COMPILE="0")
-    try:
+    with patched_env({"K3_SHORT_CONV": "off", "K3_COMPILE": "0"}):
         assert kda.short_conv_impl(torch.zeros(1, 1, 1, device="cuda")) == "reference"
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def check_fused(report):
