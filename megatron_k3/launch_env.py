@@ -17,10 +17,32 @@ import subprocess
 MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD", "PMI_RANK")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", span: int = 2700) -> int:
+    """A rendezvous port that is free now and outside the kernel's ephemeral range.
+
+    Binding port 0 returns a port from ``/proc/sys/net/ipv4/ip_local_port_range`` (32768-60999 by default),
+    the same range the kernel hands to outgoing connections: another job's gloo sockets can take it between
+    this check and the store's bind (seen as EADDRINUSE when two test workers start process groups at once).
+    So the port is drawn at random from the ``span`` ports just below that range and checked to be bindable.
+    """
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = max(1024, low - span)
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(first, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{low - 1} on {host}; set MASTER_PORT")
 
 
 def discover() -> str:
@@ -44,7 +66,7 @@ def discover() -> str:
         comm = MPI.COMM_WORLD
         if comm.Get_size() > 1:
             local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-            addr, port = comm.bcast((socket.gethostbyname(socket.gethostname()), _free_port()) if comm.Get_rank() == 0
+            addr, port = comm.bcast((socket.gethostbyname(socket.gethostname()), free_port()) if comm.Get_rank() == 0
                                     else None, root=0)
             env["RANK"], env["WORLD_SIZE"] = str(comm.Get_rank()), str(comm.Get_size())
             env["LOCAL_RANK"] = str(local.Get_rank())
@@ -55,5 +77,5 @@ def discover() -> str:
     env.setdefault("WORLD_SIZE", "1")
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(_free_port()))
+    env.setdefault("MASTER_PORT", str(free_port()))
     return "single"

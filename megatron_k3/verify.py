@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 
@@ -36,6 +35,7 @@ import torch
 
 from .cli import UsageError, friendly_errors
 from .config import PRESETS, get_preset, load_config
+from .launch_env import free_port
 from .layout import LayoutError, ParallelLayout
 
 LAYOUT_KEYS = {"tp", "pp", "ep", "cp", "dp", "vpp", "sp", "distopt"}
@@ -203,12 +203,6 @@ def _worker(rank, world, port, tmpdir, cfg_dict, layouts, args_dict):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     d = (a.double() - b.double()).norm().item()
     n = b.double().norm().item()
@@ -298,7 +292,7 @@ def main(argv=None):
         torch.save({"init": init, "batches": batches}, os.path.join(tmp, "golden.pt"))
         import torch.multiprocessing as mp
 
-        mp.start_processes(_worker, args=(world, _free_port(), tmp, cfg.to_dict(), specs, vars(args)),
+        mp.start_processes(_worker, args=(world, free_port(), tmp, cfg.to_dict(), specs, vars(args)),
                            nprocs=world, join=True, start_method="spawn")
         results = torch.load(os.path.join(tmp, "result.pt"), weights_only=False)  # our own temp file
     shapes = {k: v.shape for k, v in init.items()}

@@ -166,3 +166,26 @@ def test_mpiexec_two_ranks(root, tmp_path, main_run):
     run_dir, _ = main_run
     first = json.loads(open(run_dir / "metrics.jsonl").readline())
     assert len(recs) == 6 and recs[0]["lm_loss"] == pytest.approx(first["lm_loss"], rel=1e-5)
+
+
+def test_free_port_is_below_the_ephemeral_range():
+    """Rendezvous ports come from below the kernel's ephemeral range (outgoing gloo sockets of a concurrent job
+    cannot hold them) and are bindable when returned; a port that is taken is never returned."""
+    import socket
+
+    from megatron_k3.launch_env import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    held = []
+    try:
+        for _ in range(20):
+            port = free_port(span=40)
+            assert low - 40 <= port < low
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))  # free when returned
+            held.append(s)
+        assert len({s.getsockname()[1] for s in held}) == len(held)  # a held port is never handed out again
+    finally:
+        for s in held:
+            s.close()

@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_k3 import launch_env  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -347,14 +349,6 @@ def _offload_worker(mode, n_params, steps, out_path, chunk_bytes):
     destroy()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_offload(args, cuda):
     modes = args.offload_modes.split(",") if args.offload_modes else (
         ["device-adam", "host-stream", "host-stream-fp32-moments"] + (["hybrid", "host-stream-check"] if cuda else []))
@@ -363,7 +357,7 @@ def bench_offload(args, cuda):
     for i, mode in enumerate(modes):
         path = os.path.join(args.tmp, f"offload_{mode}.json")
         pp = os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-        env = dict(os.environ, PYTHONPATH=pp, MASTER_PORT=str(_free_port()))  # keep site dirs given by PYTHONPATH
+        env = dict(os.environ, PYTHONPATH=pp, MASTER_PORT=str(launch_env.free_port()))  # keep site dirs given by PYTHONPATH
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--_offload-worker", mode,
                             "--offload-params", str(args.offload_params), "--offload-steps", str(args.offload_steps),
                             "--chunk-bytes", str(args.chunk_bytes), "--out", path],
@@ -506,7 +500,7 @@ def main():
     parts = args.parts.split(",")
     device = None
     if "op" in parts or "train" in parts:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(launch_env.free_port())),
                           RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
         from megatron_k3.layout import ParallelLayout

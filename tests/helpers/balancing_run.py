@@ -3,7 +3,6 @@ the balancing used vs counts recorded independently by a forward hook on every r
 Usage: python balancing_run.py {sign|quantile} OUT.json"""
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -81,7 +80,7 @@ def worker(rank, world, port, mode, out):
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megatron_k3.launch_env import free_port
+
+    port = free_port()
     mp.start_processes(worker, args=(2, port, sys.argv[1], sys.argv[2]), nprocs=2, join=True, start_method="spawn")

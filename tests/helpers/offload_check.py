@@ -16,7 +16,6 @@ Writes {case: {"master": err, "exp_avg": err, "exp_avg_sq": err, "weight": err, 
 import argparse
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -213,9 +212,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--chunk-bytes", type=int, default=40_000)
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megatron_k3.launch_env import free_port
+
+    port = free_port()
     import torch.multiprocessing as mp
 
     mp.start_processes(_worker, args=(a.world, port, a.out, a.case, a.steps, a.chunk_bytes), nprocs=a.world,
