@@ -12,9 +12,12 @@ def test_benchmark_smoke(root, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(root, "tools", "benchmark.py"), "--smoke", "--global-batch-size",
                         "4", "--baselines", "seed,seed_compiledconv,gptmodel", "--out", str(out)],
                        capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29688"))
+                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29688", K3_ATTN_RES="triton"))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(out))
+    # the kernel switches are part of the record and of the command that reruns it (K3_ATTN_RES only
+    # changes what runs on CUDA)
+    assert rep["kernel_env"]["K3_ATTN_RES"] == "triton" and "K3_ATTN_RES=triton python tools/benchmark.py" in rep["command"]
     assert rep["tokens_per_s"] > 0 and len(rep["step_times_s"]) == 2 and rep["model_flops_per_token"] > 0
     assert rep["num_microbatches"] == 2 and rep["global_batch_size"] == 4 and len(rep["losses"]) == 4
     # tokens per step: 2 micro-batches of 2 x 128

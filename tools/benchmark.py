@@ -149,11 +149,14 @@ def main():
     med = k3["median_step_s"]
     tps = M * B * S / med
     fpt = flops_per_token(cfg, S, info["active_params"])
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("K3_")}
     rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "command": " ".join((["torchrun", "--nproc-per-node", str(world)] if world > 1 else ["python"])
+        "command": " ".join([f"{k}={v}" for k, v in sorted(knobs.items())]
+                            + (["torchrun", "--nproc-per-node", str(world)] if world > 1 else ["python"])
                             + ["tools/benchmark.py"] + sys.argv[1:]),
+        "kernel_env": knobs,  # the K3_* kernel switches this run had (README, "kernel knobs")
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
         "micro_batch_size": B, "global_batch_size": args.global_batch_size, "num_microbatches": M, "seq_length": S,
         "dtype": str(dtype).replace("torch.", ""),

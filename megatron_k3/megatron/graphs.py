@@ -9,10 +9,12 @@ on how many kernels it has.
 What is captured: ``body(h, *blocks) -> h'``, the layer's math on the partial block sum ``h`` and the
 completed AttnRes snapshots ``blocks`` (the golden ``K3DecoderLayer.forward``); the snapshot list itself
 (``blocks + [h]`` at a block's first layer) is rebuilt outside the graph, so no graph output aliases an
-input. The backward graph returns the gradients of ``h``, of every block and of the layer's parameters;
-the parameters' gradients then go through autograd's ``AccumulateGrad`` and megatron's DDP hooks as usual,
-and the grouped experts add theirs to ``main_grad`` inside the graph (``moe.stacked_main_grad``: the
-buffers are persistent, so the captured addresses stay valid).
+input. The backward graph returns the gradients of ``h`` and of every block; the layer's parameter
+gradients are added to megatron DDP's ``main_grad`` buffers inside the graph (the grouped experts by
+``moe.stacked_main_grad``, every other parameter by ``_AddToMainGrad``; the buffers are persistent, so the
+captured addresses stay valid), which is all DDP's hooks would do without overlapped reduction
+(``runtime.wrap_ddp`` marks the parameters only then; otherwise they go through ``AccumulateGrad`` and the
+hooks as usual).
 
 Conditions, checked up front by ``check_cuda_graphs`` (a clear error instead of a wrong replay):
 - CUDA; no pipeline parallelism (1F1B keeps several micro-batches' activations in flight, a layer's graph
@@ -93,15 +95,53 @@ def use_graph_stream(impl: str) -> None:
         torch.cuda.set_stream(torch.cuda.Stream())
 
 
+class _AddToMainGrad(torch.autograd.Function):
+    """Identity on a parameter whose backward adds the parameter's gradient to its ``main_grad`` (megatron
+    DDP's buffer) and passes none on: inside a captured backward graph the add is one more recorded kernel
+    on a persistent buffer, instead of a graph output that autograd hands to the parameter's
+    ``AccumulateGrad`` node and DDP's Python hook adds after the replay."""
+
+    @staticmethod
+    def forward(ctx, p):
+        ctx.param = p
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.param.main_grad.add_(g)
+        return None
+
+
+def main_grad_params(layer) -> dict[str, torch.Tensor]:
+    """The parameters of ``layer`` whose gradients its captured backward adds to ``main_grad`` itself:
+    those ``runtime.wrap_ddp`` marked ``k3_graph_main_grad`` (DDP without overlapped reduction, whose hooks
+    would only do that add), except the grouped experts' (``k3_fuse_wgrad``: they add theirs already)."""
+    return {n: p for n, p in layer.named_parameters()
+            if p.requires_grad and getattr(p, "k3_graph_main_grad", False) and hasattr(p, "main_grad")
+            and not getattr(p, "k3_fuse_wgrad", False)}
+
+
 class _LayerBody(nn.Module):
-    """``(h, *blocks) -> h'``: what is captured of one decoder layer (kept out of the model's module tree)."""
+    """``(h, *blocks) -> h'``: what is captured of one decoder layer (kept out of the model's module tree).
+    The parameters of ``main_grad_params`` enter through ``_AddToMainGrad`` (``torch.func.functional_call``),
+    so the backward graph accumulates their gradients and returns none for them: per micro-batch that
+    removes one ``AccumulateGrad`` node, one DDP hook and one add launched from Python per parameter
+    (k3-mini: ~300 per micro-batch, the host work that left the GPU idle between backward graphs)."""
 
     def __init__(self, layer):
         super().__init__()
         self.layer = layer
 
     def forward(self, h, *blocks):
-        return eager_body(self.layer, h, blocks)
+        sunk = main_grad_params(self.layer)
+        if not sunk:
+            return eager_body(self.layer, h, blocks)
+        from torch.func import functional_call
+
+        subst = {n: _AddToMainGrad.apply(p) for n, p in sunk.items()}
+        out, _ = functional_call(self.layer, subst, (h, list(blocks) if self.layer.attn_res else None),
+                                 strict=False)
+        return out
 
 
 def eager_body(layer, h, blocks):

@@ -109,6 +109,8 @@ def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False, finalize_
                 if isinstance(m, GroupedExperts):
                     for p in m.parameters():
                         p.k3_fuse_wgrad = True
+            for p in c.parameters():  # and captured layer graphs add the others' (graphs.main_grad_params)
+                p.k3_graph_main_grad = True
     tconfig.finalize_model_grads_func = finalize_grads or finalize_k3_grads
     tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
     return ddp

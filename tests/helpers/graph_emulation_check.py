@@ -27,7 +27,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays, release_layer_graphs  # noqa: E402
+from megatron_k3.megatron.graphs import (_AddToMainGrad, capture_layer_graphs, layer_graph_replays,  # noqa: E402
+                                         main_grad_params, release_layer_graphs)
 from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
                                           init_distributed, make_forward_step, moe_routers, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
@@ -86,6 +87,16 @@ def _emulate(func, static_in, num_warmup_iters, allow_unused_input):
 
 
 torch.cuda.make_graphed_callables = emulated_make_graphed_callables
+sink_adds = {"n": 0}
+_sink_backward = _AddToMainGrad.backward
+
+
+def _counted_sink_backward(ctx, g):
+    sink_adds["n"] += 1
+    return _sink_backward(ctx, g)
+
+
+_AddToMainGrad.backward = staticmethod(_counted_sink_backward)
 
 cfg = get_preset("k3-tiny")
 layout = ParallelLayout()
@@ -105,6 +116,14 @@ for mode in ("eager", "graphs"):
     assert any(getattr(p, "k3_fuse_wgrad", False) for p in chunks[0].parameters())  # the fused path is exercised
     opt = build_optimizer(ddp, lr=1e-3, adam_eps=1e-4)  # eps as in verify_parallel: no 0/0-like amplification of round-off
     n_layers = capture_layer_graphs(chunks, ddp, B, S) if mode == "graphs" else 0
+    # in graph mode the layers' non-expert parameter gradients are added to main_grad inside the backward
+    # graph (graphs._AddToMainGrad) and DDP's hooks get none to add: count those adds (a missed or doubled
+    # add would also show in the gradients compared below)
+    from megatron.core.utils import unwrap_model
+
+    sunk = sum(len(main_grad_params(lay)) for lay in unwrap_model(chunks[0]).layers.values())
+    assert sunk > 0
+    sink_adds["n"] = 0
     losses, grads1 = [], None
     for micro in steps:
         ddp[0].zero_grad_buffer()
@@ -117,6 +136,8 @@ for mode in ("eager", "graphs"):
             grads1 = {n: p.main_grad.detach().clone() for n, p in chunks[0].named_parameters()}
         opt.step()
         losses.append(sum(float(d["lm_sum"]) for d in out) / sum(float(d["n"]) for d in out))
+        if micro is steps[2]:
+            res[mode + "_sink_adds"] = (sink_adds["n"], sunk)
     replays = layer_graph_replays(chunks)
     params = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     bias = torch.cat([r.expert_bias.detach().clone() for _, r in moe_routers(chunks)])
@@ -144,6 +165,10 @@ def worst(a, b):
 print("losses eager ", le)
 print("losses graphs", lg)
 assert n_layers == cfg.num_hidden_layers, n_layers
+print("in-graph main_grad adds in the full steps (adds, sunk parameters): eager", res["eager_sink_adds"],
+      "graphs", res["graphs_sink_adds"])
+adds, sunk = res["graphs_sink_adds"]  # every sunk parameter the layers use, once per replayed micro-batch
+assert res["eager_sink_adds"][0] == 0 and adds % (3 * MICRO) == 0 and sunk - 4 <= adds // (3 * MICRO) <= sunk, res
 assert replays == 3 * MICRO * n_layers, (replays, n_layers)  # every layer call of the full steps, none at B = 1
 for a, b in zip(lg, le):
     assert abs(a - b) <= 1e-6 * abs(b), (lg, le)
