@@ -13,8 +13,9 @@ input. The backward graph returns the gradients of ``h`` and of every block; the
 gradients are added to megatron DDP's ``main_grad`` buffers inside the graph (the grouped experts by
 ``moe.stacked_main_grad``, every other parameter by ``_AddToMainGrad``; the buffers are persistent, so the
 captured addresses stay valid), which is all DDP's hooks would do without overlapped reduction
-(``runtime.wrap_ddp`` marks the parameters only then; otherwise they go through ``AccumulateGrad`` and the
-hooks as usual).
+(``runtime.wrap_ddp`` marks the parameters only then; ``grads_in_graph``). The parameters are then not
+inputs of the graph at all (``_SunkLayerBody``); otherwise (or with ``K3_GRAPH_MAIN_GRAD=0``) the graph
+returns their gradients too and they go through ``AccumulateGrad`` and the hooks as usual.
 
 Conditions, checked up front by ``check_cuda_graphs`` (a clear error instead of a wrong replay):
 - CUDA; no pipeline parallelism (1F1B keeps several micro-batches' activations in flight, a layer's graph
@@ -45,6 +46,8 @@ stream the same wait is a legal fork of the capture that autograd joins back at 
 ``capture_layer_graphs`` refuses to start on the default stream.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -96,20 +99,24 @@ def use_graph_stream(impl: str) -> None:
 
 
 class _AddToMainGrad(torch.autograd.Function):
-    """Identity on a parameter whose backward adds the parameter's gradient to its ``main_grad`` (megatron
-    DDP's buffer) and passes none on: inside a captured backward graph the add is one more recorded kernel
-    on a persistent buffer, instead of a graph output that autograd hands to the parameter's
-    ``AccumulateGrad`` node and DDP's Python hook adds after the replay."""
+    """``(p, anchor) -> p``: identity on a parameter whose backward adds the parameter's gradient to its
+    ``main_grad`` (megatron DDP's buffer) and passes none on to the parameter. Inside a captured backward
+    graph the add is one more recorded kernel on a persistent buffer, instead of a graph output that
+    autograd hands to the parameter's ``AccumulateGrad`` node and DDP's Python hook adds after the replay.
+    ``anchor`` (an empty leaf, an input of the graph) gets an empty gradient: it puts these nodes on the
+    path from the outputs to the graph's inputs, so the captured backward runs them although the
+    parameters themselves are not inputs of the graph (as inputs, their ``AccumulateGrad`` nodes would be
+    visited during capture: on the H200 that invalidated the capture, 2026-12-03)."""
 
     @staticmethod
-    def forward(ctx, p):
+    def forward(ctx, p, anchor):
         ctx.param = p
         return p.view_as(p)
 
     @staticmethod
     def backward(ctx, g):
         ctx.param.main_grad.add_(g)
-        return None
+        return None, g.new_zeros(0)
 
 
 def main_grad_params(layer) -> dict[str, torch.Tensor]:
@@ -121,26 +128,43 @@ def main_grad_params(layer) -> dict[str, torch.Tensor]:
             and not getattr(p, "k3_fuse_wgrad", False)}
 
 
+def grads_in_graph(layer) -> bool:
+    """Whether every trainable parameter of ``layer`` gets its gradient added to ``main_grad`` inside the
+    layer's graph (``main_grad_params`` or the experts' fused adds), so the graph needs no parameter
+    gradient outputs. ``K3_GRAPH_MAIN_GRAD=0`` turns this off (parameter gradients leave the graph)."""
+    if os.environ.get("K3_GRAPH_MAIN_GRAD", "1") == "0":
+        return False
+    sunk = main_grad_params(layer)
+    return bool(sunk) and all(p is sunk.get(n) or getattr(p, "k3_fuse_wgrad", False)
+                              for n, p in layer.named_parameters() if p.requires_grad)
+
+
 class _LayerBody(nn.Module):
-    """``(h, *blocks) -> h'``: what is captured of one decoder layer (kept out of the model's module tree).
-    The parameters of ``main_grad_params`` enter through ``_AddToMainGrad`` (``torch.func.functional_call``),
-    so the backward graph accumulates their gradients and returns none for them: per micro-batch that
-    removes one ``AccumulateGrad`` node, one DDP hook and one add launched from Python per parameter
-    (k3-mini: ~300 per micro-batch, the host work that left the GPU idle between backward graphs)."""
+    """``(h, *blocks) -> h'``: what is captured of one decoder layer (kept out of the model's module tree);
+    a module, so ``make_graphed_callables`` returns the gradients of its parameters too."""
 
     def __init__(self, layer):
         super().__init__()
         self.layer = layer
 
     def forward(self, h, *blocks):
-        sunk = main_grad_params(self.layer)
-        if not sunk:
-            return eager_body(self.layer, h, blocks)
+        return eager_body(self.layer, h, blocks)
+
+
+class _SunkLayerBody:
+    """``(anchor, h, *blocks) -> h'`` for a layer with ``grads_in_graph``: a plain callable (its parameters
+    are not graph inputs), the parameters of ``main_grad_params`` entering through ``_AddToMainGrad``
+    (``torch.func.functional_call``). Per micro-batch that removes, per parameter, one ``AccumulateGrad``
+    node, one DDP hook and one add launched from Python after the replay (k3-mini: ~300 per micro-batch)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, anchor, h, *blocks):
         from torch.func import functional_call
 
-        subst = {n: _AddToMainGrad.apply(p) for n, p in sunk.items()}
-        out, _ = functional_call(self.layer, subst, (h, list(blocks) if self.layer.attn_res else None),
-                                 strict=False)
+        subst = {n: _AddToMainGrad.apply(p, anchor) for n, p in main_grad_params(self.layer).items()}
+        out, _ = functional_call(self.layer, subst, (h, list(blocks) if self.layer.attn_res else None))
         return out
 
 
@@ -160,9 +184,10 @@ class GraphedLayer:
     """The replayable form of one layer (a plain object, not a submodule: the model's parameter names and
     state dict do not change)."""
 
-    def __init__(self, layer, graphed_body, sample):
+    def __init__(self, layer, graphed_body, sample, anchor=None):
         self.layer, self.body = layer, graphed_body
         self.sig = [(t.shape, t.dtype, t.device) for t in sample]
+        self.anchor = anchor  # the empty leaf of a _SunkLayerBody's graph (None: parameter gradients leave it)
         self.replays = 0  # forward replays so far (tests and benchmarks read it)
 
     def matches(self, h, blocks) -> bool:
@@ -172,7 +197,8 @@ class GraphedLayer:
 
     def __call__(self, h, blocks):
         self.replays += 1
-        return self.body(h, *(blocks or [])), next_blocks(self.layer, h, blocks)
+        lead = () if self.anchor is None else (self.anchor,)
+        return self.body(*lead, h, *(blocks or [])), next_blocks(self.layer, h, blocks)
 
 
 def run_layer(layer, h, blocks):
@@ -232,16 +258,22 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
             nb = m.num_blocks_before(layer.layer_idx) if m.attn_res else 0
             sample = tuple((torch.randn(seq_length, micro_batch_size, D, device=dev, generator=gen) * 0.02)
                            .to(dtype).requires_grad_() for _ in range(1 + nb))
-            bodies.append(_LayerBody(layer).train(layer.training))
-            samples.append(sample)
-            layers.append(layer)
+            if grads_in_graph(layer):
+                anchor = torch.zeros(0, device=dev, requires_grad=True)
+                bodies.append(_SunkLayerBody(layer))
+                samples.append((anchor,) + sample)
+            else:
+                anchor = None
+                bodies.append(_LayerBody(layer).train(layer.training))
+                samples.append(sample)
+            layers.append((layer, anchor))
     if not bodies:
         return 0
     try:
         graphed = torch.cuda.make_graphed_callables(tuple(bodies), tuple(samples), num_warmup_iters=warmup_iters,
                                                     allow_unused_input=True)
-        for layer, body, sample in zip(layers, graphed, samples):
-            layer.k3_graph = GraphedLayer(layer, body, sample)
+        for (layer, anchor), body, sample in zip(layers, graphed, samples):
+            layer.k3_graph = GraphedLayer(layer, body, sample[1:] if anchor is not None else sample, anchor)
     finally:  # undo what warm-up and capture left in persistent state (also when capture failed)
         torch.cuda.synchronize()
         for d in ddp:

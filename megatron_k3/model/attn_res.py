@@ -35,10 +35,12 @@ from .common import acc_dtype, compile_enabled, fast
 
 def attn_res_impl(cands: list[torch.Tensor]) -> str:
     """Which form ``attn_res_mix`` runs for these candidates: ``triton`` (``attn_res_triton.py``: one pass
-    over the candidates in place, no stacked copy) for CUDA tensors with ``K3_ATTN_RES=triton`` (opt-in
-    until measured on a GPU) when the kernels take them (same shape and dtype, contiguous); else the
-    reference, torch.compile'd on CUDA (``compiled``) or eager (``reference``)."""
-    if cands[0].is_cuda and os.environ.get("K3_ATTN_RES", "compiled") == "triton":
+    over the candidates in place, no stacked copy) for CUDA tensors when the kernels take them (same shape
+    and dtype, contiguous), the default since measured on the H200 (2026-12-03: 1.2-1.3x the compiled form's
+    kernel time, the same error against fp64; the k3-mini step 2.4% faster with 9 GiB less peak memory,
+    benchmarks/README.md); ``K3_ATTN_RES=compiled`` opts out; else the reference, torch.compile'd on CUDA
+    (``compiled``) or eager (``reference``)."""
+    if cands[0].is_cuda and os.environ.get("K3_ATTN_RES", "triton") == "triton":
         from .attn_res_triton import supported
 
         if supported(cands):

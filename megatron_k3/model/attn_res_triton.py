@@ -1,5 +1,6 @@
 r"""Triton kernels of the Attention-Residual mixer (``attn_res.py``; used for CUDA tensors when
-``K3_ATTN_RES=triton``, opt-in until measured on a GPU: benchmarks/README.md).
+the kernels take them, the default since measured on the H200; ``K3_ATTN_RES=compiled`` opts out:
+benchmarks/README.md).
 
 Same equations as ``attn_res_mix_reference``, computed in fp32 registers, candidates V_0..V_{N-1} read in place
 (no stacked copy; they reach the kernel as a tuple of pointers, so each candidate count N compiles once).

@@ -35,14 +35,14 @@ from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
 
 def emulated_make_graphed_callables(callables, sample_args, num_warmup_iters=3, allow_unused_input=False, **_):
-    for func, args in zip(callables, sample_args):
-        _emulate(func, tuple(args), num_warmup_iters, allow_unused_input)
-    return tuple(callables)
+    return tuple(_emulate(func, tuple(args), num_warmup_iters, allow_unused_input)
+                 for func, args in zip(callables, sample_args))
 
 
 def _emulate(func, static_in, num_warmup_iters, allow_unused_input):
-    params = tuple(func.parameters())
-    orig = func.forward
+    module = isinstance(func, torch.nn.Module)  # a module's parameters are graph inputs too
+    params = tuple(func.parameters()) if module else ()
+    orig = func.forward if module else func
     surface = static_in + params
     need = tuple(t for t in surface if t.requires_grad)
     for _ in range(num_warmup_iters):
@@ -83,7 +83,13 @@ def _emulate(func, static_in, num_warmup_iters, allow_unused_input):
                 out.append(None if b is None else b.detach())
             return tuple(out)
 
-    func.forward = lambda *user_args: Graphed.apply(*(tuple(user_args) + params))
+    def graphed(*user_args):
+        return Graphed.apply(*(tuple(user_args) + params))
+
+    if module:
+        func.forward = graphed
+        return func
+    return graphed
 
 
 torch.cuda.make_graphed_callables = emulated_make_graphed_callables
@@ -108,14 +114,15 @@ steps = [[torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g) for _ in ran
 steps.append([steps[0][0][:1]])  # another micro-batch size: must run eagerly
 fb = get_forward_backward_func()
 res = {}
-for mode in ("eager", "graphs"):
+for mode in ("eager", "graphs", "graphs_grads_out"):  # graphs_grads_out: K3_GRAPH_MAIN_GRAD=0
+    os.environ["K3_GRAPH_MAIN_GRAD"] = "0" if mode == "graphs_grads_out" else "1"
     # a sign update of the expert bias from each step's token counts (warm-up must not leave counts behind)
     chunks, tconfig = build_model_chunks(cfg, layout, device=device, moe_router_bias_update_rate=1e-2)
     adapter.load_hf_state_dict(chunks[0], sd, 0)
     ddp = wrap_ddp(chunks, tconfig)
     assert any(getattr(p, "k3_fuse_wgrad", False) for p in chunks[0].parameters())  # the fused path is exercised
     opt = build_optimizer(ddp, lr=1e-3, adam_eps=1e-4)  # eps as in verify_parallel: no 0/0-like amplification of round-off
-    n_layers = capture_layer_graphs(chunks, ddp, B, S) if mode == "graphs" else 0
+    n_layers = capture_layer_graphs(chunks, ddp, B, S) if mode != "eager" else 0
     # in graph mode the layers' non-expert parameter gradients are added to main_grad inside the backward
     # graph (graphs._AddToMainGrad) and DDP's hooks get none to add: count those adds (a missed or doubled
     # add would also show in the gradients compared below)
@@ -161,6 +168,12 @@ def worst(a, b):
     return max((((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item(), n) for n in b)
 
 
+(lo, po, bo, n_out, replays_out, go) = res["graphs_grads_out"]  # parameter gradients leave the graphs
+assert res["graphs_grads_out_sink_adds"][0] == 0 and n_out == cfg.num_hidden_layers and replays_out == 3 * MICRO * n_out
+assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(lo, res["eager"][0])), (lo, res["eager"][0])
+print("graphs with the parameter gradients as graph outputs: worst first-step gradient relative error",
+      worst(go, res["eager"][5]))
+assert worst(go, res["eager"][5])[0] < 1e-5
 (le, pe, be, _, _, ge), (lg, pg, bg, n_layers, replays, gg) = res["eager"], res["graphs"]
 print("losses eager ", le)
 print("losses graphs", lg)
