@@ -266,14 +266,14 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
                 anchor = None
                 bodies.append(_LayerBody(layer).train(layer.training))
                 samples.append(sample)
-            layers.append((layer, anchor))
+            layers.append((layer, sample, anchor))
     if not bodies:
         return 0
     try:
         graphed = torch.cuda.make_graphed_callables(tuple(bodies), tuple(samples), num_warmup_iters=warmup_iters,
                                                     allow_unused_input=True)
-        for (layer, anchor), body, sample in zip(layers, graphed, samples):
-            layer.k3_graph = GraphedLayer(layer, body, sample[1:] if anchor is not None else sample, anchor)
+        for (layer, sample, anchor), body in zip(layers, graphed):
+            layer.k3_graph = GraphedLayer(layer, body, sample, anchor)
     finally:  # undo what warm-up and capture left in persistent state (also when capture failed)
         torch.cuda.synchronize()
         for d in ddp:
