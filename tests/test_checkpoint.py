@@ -262,8 +262,14 @@ def test_sigkill_at_random_moments_under_the_supervisor(root, tmp_path):
     def n_lines():
         return sum(1 for _ in open(metrics)) if metrics.exists() else 0
 
-    def tmp_dirs():
-        return {(p.name, p.stat().st_ino) for p in save.glob("iter_*.tmp")} if save.exists() else set()
+    def tmp_dirs():  # a .tmp dir can be renamed to iter_* between the glob and the stat: skip it then
+        found = set()
+        for p in save.glob("iter_*.tmp") if save.exists() else ():
+            try:
+                found.add((p.name, p.stat().st_ino))
+            except FileNotFoundError:
+                pass
+        return found
 
     deadline = time.time() + 900  # a bound for a stuck run, not a timing claim (two test workers share the cores)
     while kills < n_kills and sup.poll() is None and time.time() < deadline:
