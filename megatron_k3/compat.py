@@ -50,6 +50,24 @@ And one on every machine (``use_cached_router_walks()``, called by ``setup_devic
    run unchanged on them (every condition they test is re-evaluated each step); the module tree of a built
    model does not change. tests/test_compat.py checks the expert-bias update and the reset against the
    unpatched functions.
+
+And one on every machine (``use_lean_grad_clipping()``, called by ``setup_device``):
+
+9. megatron's optimizer step filters the gradients for the norm anew every step (five predicates per
+   parameter, each asking ``parallel_state`` for ranks), wraps each gradient in ``to_local_if_dtensor``
+   (a ``torch.no_grad()`` context per tensor, twice per step) and, without Transformer Engine, reads the norm
+   back to the host (``total_norm.item()``) before it can clip: the host stops until the device has finished
+   the backward pass, then does the per-parameter work with the device idle (14-21 ms per k3-mini step on the
+   H200, ``breakdown.idle_gaps`` in benchmarks/README.md). Now: the selection of parameters whose gradients
+   enter the norm is made once per optimizer with megatron's own predicates (they are static for a built
+   model; rebuilt if the optimizer's parameter list changes) and only ``p.grad`` is read per step; the DTensor
+   helpers return plain tensors at once; and, where Transformer Engine does not provide it, megatron's
+   ``multi_tensor_scale_tensor_impl`` is ``foreach_scale_tensor``, so megatron takes its own device-tensor path
+   (the one it runs with Transformer Engine): the norm stays a one-element device tensor and the clip
+   coefficient ``min(1, clip / (norm + 1e-6))`` multiplies the gradients on the device. The returned grad norm
+   is then a tensor (callers take ``float()`` when they log it). The coefficient rounds in fp32 instead of
+   fp64. tests/test_compat.py checks the selection, the absence of host reads in the step, bit-identity with
+   megatron's tensor path and one step against its float path. ``K3_LEAN_CLIP=0`` turns item 9 off (A/B).
 """
 from __future__ import annotations
 
@@ -78,10 +96,12 @@ def setup_device(local_rank: int | None = None) -> torch.device:
         torch.cuda.set_device(local_rank)
         use_foreach_fallbacks()
         use_cached_router_walks()
+        use_lean_grad_clipping()
         return torch.device("cuda", local_rank)
     enable_cpu_mode()
     use_foreach_fallbacks()
     use_cached_router_walks()
+    use_lean_grad_clipping()
     return torch.device("cpu")
 
 
@@ -351,3 +371,79 @@ def use_cached_router_walks() -> None:
     fmg._update_router_expert_bias = _update_router_expert_bias
     fmg.k3_cached_router_walks = True
     fmg.k3_unpatched = {"reset_model_temporary_tensors": reset, "_update_router_expert_bias": update}  # tests
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 9. the gradient norm and clip of megatron's optimizer step without a host sync and without per-step filters
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def foreach_scale_tensor(chunk_size, noop_flag, tensor_lists, scale):
+    """Transformer Engine's ``multi_tensor_scale_tensor``: ``dst = src * scale`` with ``scale`` a one-element
+    device tensor (megatron's clip coefficient kept on the device: no host sync)."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    s = scale.reshape(())
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, s)
+        return
+    torch._foreach_copy_(dst, torch._foreach_mul(src, s))
+
+
+def _static_norm_params(opt, params, grad_norm_group):
+    """The parameters whose gradients megatron's ``_filter_grads_for_norm`` keeps, by its own predicates, all
+    static for a built model (the norm group, shared, tensor- and generalized-tensor-parallel duplicates)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer import optimizer as mopt
+    from megatron.core.transformer.module import param_is_not_shared
+
+    def in_group(p):
+        g = mopt._get_param_grad_norm_group(p)
+        return g == grad_norm_group if grad_norm_group is not None else not mopt._is_separate_grad_norm_group(g)
+
+    tp, etp = getattr(opt, "tp_group", None), getattr(opt, "expert_tp_group", None)
+    return [p for p in params if in_group(p) and param_is_not_shared(p)
+            and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, tp_group=tp, expert_tp_group=etp)
+            and tensor_parallel.param_is_not_gtp_duplicate(p)]
+
+
+def use_lean_grad_clipping() -> None:
+    """Apply item 9 (idempotent; ``K3_LEAN_CLIP=0`` leaves megatron's functions as they are)."""
+    import operator
+
+    from megatron.core.optimizer import clip_grads, optimizer as mopt
+
+    if getattr(clip_grads, "k3_lean_clipping", False) or os.environ.get("K3_LEAN_CLIP", "1") == "0":
+        return
+    unpatched = {"multi_tensor_scale_tensor_impl": clip_grads.multi_tensor_scale_tensor_impl,
+                 "to_local_if_dtensor": clip_grads.to_local_if_dtensor,
+                 "get_data_parallel_group_if_dtensor": clip_grads.get_data_parallel_group_if_dtensor,
+                 "get_grads_for_grad_norm": mopt.MegatronOptimizer.get_grads_for_grad_norm}
+    if clip_grads.multi_tensor_scale_tensor_impl is None:  # Transformer Engine's kernel is used when present
+        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale_tensor
+    to_local, dp_group = unpatched["to_local_if_dtensor"], unpatched["get_data_parallel_group_if_dtensor"]
+
+    def to_local_if_dtensor(t):
+        return t if type(t) in _PLAIN_TENSORS else to_local(t)
+
+    def get_data_parallel_group_if_dtensor(t, data_parallel_group=None):
+        return None if type(t) in _PLAIN_TENSORS else dp_group(t, data_parallel_group)
+
+    clip_grads.to_local_if_dtensor = to_local_if_dtensor
+    clip_grads.get_data_parallel_group_if_dtensor = get_data_parallel_group_if_dtensor
+    orig_get = unpatched["get_grads_for_grad_norm"]
+
+    def get_grads_for_grad_norm(self, grad_norm_group=None):
+        params = self.get_parameters()
+        if self.config.use_precision_aware_optimizer or any(getattr(p, "__fsdp_param__", False) for p in params[:1]):
+            return orig_get(self, grad_norm_group)  # decoupled or DTensor gradients: megatron's own walk
+        cache = self.__dict__.setdefault("_k3_norm_params", {})
+        hit = cache.get(grad_norm_group)
+        if hit is None or len(hit[0]) != len(params) or not all(map(operator.is_, hit[0], params)):
+            hit = cache[grad_norm_group] = (params, _static_norm_params(self, params, grad_norm_group))
+        return [g for g in (p.grad for p in hit[1]) if g is not None]
+
+    mopt.MegatronOptimizer.get_grads_for_grad_norm = get_grads_for_grad_norm
+    clip_grads.k3_lean_clipping = True
+    clip_grads.k3_unpatched = unpatched  # tests compare against these

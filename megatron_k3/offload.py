@@ -306,9 +306,10 @@ class HostStreamAdamW:
         for p in self._params:
             p.grad = None
 
-    def get_grad_norm(self) -> float:
+    def get_grad_norm(self):
         """Global L2 norm as megatron computes it: per-tensor norms, their norm, squared, summed over the
-        group; several groups (non-distributed dense + expert) combine as sqrt(sum(norm_i^2))."""
+        group, its square root in fp32 on the device (a one-element tensor); several groups (non-distributed
+        dense + expert) combine as sqrt(sum(norm_i^2)) (a float)."""
         norms = []
         for grads, group in self._norm_groups:
             if grads:
@@ -317,7 +318,7 @@ class HostStreamAdamW:
                 dev = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
                 sq = torch.zeros(1, dtype=torch.float32, device=dev)
             dist.all_reduce(sq, group=group)
-            norms.append(sq.item() ** 0.5)
+            norms.append(sq.pow(0.5))  # fp32 on the device, as megatron's get_grad_norm_fp32 (compat item 9)
         if len(norms) == 1:
             return norms[0]
         return math.sqrt(sum(x ** 2 for x in norms))
@@ -330,8 +331,11 @@ class HostStreamAdamW:
         clip = 1.0
         if self.clip_grad > 0:
             c = self.clip_grad / (grad_norm + 1.0e-6)
-            if c < 1.0:
+            if torch.is_tensor(c):  # megatron's coefficient for a device-tensor norm: fp32, clamped to 1
+                clip = float(c.clamp_max(1.0))
+            elif c < 1.0:
                 clip = c
+        grad_norm = float(grad_norm)
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
         self.step_count += 1

@@ -72,7 +72,7 @@ def main():
     # the modules (megatron.core.distributed's finalize_model_grads attribute is the function of that name)
     mfin = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     mopt = importlib.import_module("megatron.core.optimizer.optimizer")
-    from benchmark import megatron_step, random_batches, write_report
+    from benchmark import command_line, megatron_step, random_batches, write_report
 
     from megatron_k3.config import get_preset
     from megatron_k3.layout import ParallelLayout
@@ -114,7 +114,7 @@ def main():
     med = {k: round(1e3 * statistics.median(r.get(k, 0.0) for r in per_step), 2) for k in keys}
     rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": f"cpu ({os.cpu_count()} cores), one thread",
-           "command": " ".join(["python", "tools/bench_host.py"] + sys.argv[1:]),
+           **dict(zip(("command", "kernel_env"), command_line("tools/bench_host.py"))),
            "preset_structure": args.preset, "widths": TINY, "dtype": "bfloat16",
            "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length, "steps": args.steps,
            "parameter_tensors": sum(1 for _ in chunks[0].parameters()),

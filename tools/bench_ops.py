@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from benchmark import kernel_device_us, write_report  # noqa: E402
+from benchmark import command_line, kernel_device_us, write_report  # noqa: E402
 from gpu_check import reference_short_conv, rel  # noqa: E402
 
 
@@ -276,7 +276,7 @@ def main():
     args = ap.parse_args()
     rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "command": " ".join(["python3", "tools/bench_ops.py"] + sys.argv[1:]),
+           **dict(zip(("command", "kernel_env"), command_line("tools/bench_ops.py"))),
            "note": "fwd+bwd device time (CUDA events, median after warm-up)"}
     parts = {"attention": part_attention, "attn_res": part_attn_res, "ce": part_ce, "short_conv": part_short_conv,
              "linear_ce": part_linear_ce}

@@ -149,13 +149,12 @@ def main():
     med = k3["median_step_s"]
     tps = M * B * S / med
     fpt = flops_per_token(cfg, S, info["active_params"])
-    knobs = {k: v for k, v in os.environ.items() if k.startswith("K3_")}
+    launcher = ["torchrun", "--nproc-per-node", str(world)] if world > 1 else None
+    command, knobs = command_line("tools/benchmark.py", launcher)
     rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "command": " ".join([f"{k}={v}" for k, v in sorted(knobs.items())]
-                            + (["torchrun", "--nproc-per-node", str(world)] if world > 1 else ["python"])
-                            + ["tools/benchmark.py"] + sys.argv[1:]),
+        "command": command,
         "kernel_env": knobs,  # the K3_* kernel switches this run had (README, "kernel knobs")
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
         "micro_batch_size": B, "global_batch_size": args.global_batch_size, "num_microbatches": M, "seq_length": S,
@@ -302,6 +301,13 @@ def time_steps(step, batches, device, warmup: int):
             times.append(dt)
         progress(f"step {i}{' (warm-up)' if i < warmup else ''}: {dt:.3f} s")
     return times, outs, batch
+
+
+def command_line(script: str, launcher: list[str] | None = None) -> tuple[str, dict]:
+    """The command that reruns this process (its ``K3_*`` switches, the launcher, ``script`` and its arguments)
+    and those switches as a dict, for a report's ``command`` and ``kernel_env``."""
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("K3_")}
+    return " ".join([f"{k}={v}" for k, v in knobs.items()] + (launcher or ["python"]) + [script] + sys.argv[1:]), knobs
 
 
 def write_report(rep: dict, out: str | None):

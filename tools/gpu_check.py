@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from benchmark import patched_env, write_report  # noqa: E402
+from benchmark import command_line, patched_env, write_report  # noqa: E402
 
 
 def rel(a, b):
@@ -557,8 +557,8 @@ def main():
     cfg = gpu_config()
     report = Report(args.out, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     device=torch.cuda.get_device_name(0), torch=torch.__version__,
-                    command="source .gpu/bin/on_device.sh --no-te && python3 tools/gpu_check.py --out $OUT/gpu_check.json",
                     config="k3-tiny widened: hidden 256, KDA 4x64, MLA 4 heads, 8 layers, seq 256, batch 4")
+    report["command"], report["kernel_env"] = command_line("tools/gpu_check.py")
     try:
         import fla
 
@@ -566,13 +566,10 @@ def main():
     except Exception as e:  # noqa: BLE001
         report["fla"] = f"unavailable: {e}"
     if args.only == "grouped":
-        report["command"] = "python3 tools/gpu_check.py --only grouped"
         check_grouped_experts(report)
     elif args.only == "compiled":
-        report["command"] = "python3 tools/gpu_check.py --only compiled"
         check_compiled_glue(cfg, report)
     elif args.only == "graphs":
-        report["command"] = f"python3 tools/gpu_check.py --only graphs --graphs-preset {args.graphs_preset}"
         if args.graphs_preset == "k3-mini":
             from megatron_k3.config import get_preset
 
@@ -580,13 +577,10 @@ def main():
             report["config"] = "k3-mini, seq 4096, batch 4 (then 2)"
         check_layer_graphs(cfg, report)
     elif args.only == "sdpa":
-        report["command"] = "python3 tools/gpu_check.py --only sdpa"
         check_sdpa(report)
     elif args.only == "fused":
-        report["command"] = "python3 tools/gpu_check.py --only fused"
         check_fused(report)
     elif args.only == "fast":
-        report["command"] = "python3 tools/gpu_check.py --only fast"
         check_grouped_experts(report)
         check_fallbacks(report)
         check_situ_shapes(report)
