@@ -62,6 +62,9 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--seq-length", type=int, default=32)
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="step the optimizer as on CUDA: torch's fused AdamW (its CPU kernel here) through "
+                         "compat.fuse_torch_adamw (LeanFusedAdamWStep unless K3_LEAN_ADAMW=0)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29681"), RANK="0",
@@ -86,6 +89,10 @@ def main():
     adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
     ddp = runtime.wrap_ddp(chunks, tconfig)
     opt = runtime.build_optimizer(ddp, lr=1e-4, bf16=True)
+    if args.fused_adamw:
+        from megatron_k3.compat import fuse_torch_adamw
+
+        assert fuse_torch_adamw(opt, device_types=("cpu",)) >= 1
     timers = Timers()
     # time the pieces where they are looked up at call time (module globals, the config's hook, methods)
     mfin.reset_model_temporary_tensors = timers.wrap("reset_model_temporary_tensors", mfin.reset_model_temporary_tensors)
@@ -116,6 +123,9 @@ def main():
            "device": f"cpu ({os.cpu_count()} cores), one thread",
            **dict(zip(("command", "kernel_env"), command_line("tools/bench_host.py"))),
            "preset_structure": args.preset, "widths": TINY, "dtype": "bfloat16",
+           "optimizer": "torch fused AdamW (CPU kernel), " + ("torch's step" if os.environ.get("K3_LEAN_ADAMW") == "0"
+                                                               else "LeanFusedAdamWStep")
+           if args.fused_adamw else "megatron's fallback torch AdamW (single-tensor on the CPU)",
            "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length, "steps": args.steps,
            "parameter_tensors": sum(1 for _ in chunks[0].parameters()),
            "modules": sum(1 for _ in chunks[0].modules()),

@@ -230,8 +230,9 @@ def check_fused(report):
 
 
 def check_fallbacks(report):
-    """compat item 7 on CUDA: the foreach stand-ins vs megatron's local loops, and torch's fused AdamW (what
-    ``fuse_torch_adamw`` switches megatron's fallback to) vs its foreach AdamW over 5 steps."""
+    """compat item 7 on CUDA: the foreach stand-ins vs megatron's local loops, torch's fused AdamW (what
+    ``fuse_torch_adamw`` switches megatron's fallback to) vs its foreach AdamW over 5 steps, and the fused
+    AdamW stepped by ``compat.LeanFusedAdamWStep`` vs torch's fused step (bit for bit)."""
     from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
 
     from megatron_k3 import compat
@@ -245,16 +246,21 @@ def check_fallbacks(report):
     compat.foreach_scale(0, None, [ts, a], 1.0)
     local_multi_tensor_scale(0, None, [ts, b], 1.0)
     res = {"l2_norm_rel_vs_local": abs(ours - ref) / ref, "scale_copy_bitexact": all(torch.equal(x, y) for x, y in zip(a, b))}
-    ps = [[torch.nn.Parameter(t.clone()) for t in ts] for _ in range(2)]
+    ps = [[torch.nn.Parameter(t.clone()) for t in ts] for _ in range(3)]
     opts = [torch.optim.AdamW(ps[0], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True),
-            torch.optim.AdamW(ps[1], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)]
+            torch.optim.AdamW(ps[1], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True),
+            torch.optim.AdamW(ps[2], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)]
+    opts[2].step = compat.LeanFusedAdamWStep(opts[2])
+    held = [[torch.zeros_like(t) for t in ts] for _ in range(3)]  # stable gradient tensors, like main_grad
     for _ in range(5):
         grads = [torch.randn(t.shape, device="cuda", generator=g) for t in ts]
-        for p_list, o in zip(ps, opts):
-            for p, gr in zip(p_list, grads):
-                p.grad = gr.clone()
+        for p_list, o, hl in zip(ps, opts, held):
+            for p, gr, h in zip(p_list, grads, hl):
+                p.grad = h.copy_(gr)
             o.step()
-    res["fused_vs_foreach_adamw_5_steps_max_abs"] = max(float((x - y).abs().max()) for x, y in zip(*ps))
+    res["fused_vs_foreach_adamw_5_steps_max_abs"] = max(float((x - y).abs().max()) for x, y in zip(ps[0], ps[1]))
+    res["lean_fused_adamw_bitexact_5_steps"] = all(torch.equal(x, y) for x, y in zip(ps[1], ps[2]))
+    res["lean_fused_adamw_lean_steps"] = opts[2].step.lean_steps
     report["foreach_fallbacks"] = res
 
 

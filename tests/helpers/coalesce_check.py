@@ -1,7 +1,9 @@
 """Run by tests/test_compat.py in a child process: k3-tiny in bf16 with megatron's fp32-master optimizer,
 once as megatron builds it and once with ``coalesce_float16_params`` (the bf16 parameters and fp32 masters
 in two flat buffers, one copy kernel per step). Three steps on the same data give bit-identical parameters,
-masters and losses, and the coalesced copy is one ``copy_`` of the flat buffers."""
+masters and losses, and the coalesced copy is one ``copy_`` of the flat buffers. Then torch's fused AdamW (its
+CPU kernel; what ``fuse_torch_adamw`` switches to on CUDA) stepped by ``compat.LeanFusedAdamWStep`` equals the
+same kernel stepped by torch, bit for bit."""
 import os
 import sys
 
@@ -12,6 +14,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1] if len(sys.ar
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
+from megatron_k3 import compat  # noqa: E402
 from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
@@ -26,11 +29,16 @@ batches = [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in
            torch.randint(0, cfg.vocab_size, (3, 2, 33), generator=torch.Generator().manual_seed(0))]
 
 
-def train(coalesce: bool):
+def train(coalesce: bool, fused: str | None = None):
     chunks, tconfig = build_model_chunks(cfg, ParallelLayout(), params_dtype=torch.bfloat16, device=device)
     adapter.load_hf_state_dict(chunks[0], golden, 0)
     ddp = wrap_ddp(chunks, tconfig)
     opt = build_optimizer(ddp, lr=1e-2, bf16=True, coalesce=coalesce)
+    if fused:  # torch's fused AdamW as on CUDA (its CPU kernel), stepped by torch or by LeanFusedAdamWStep
+        os.environ["K3_LEAN_ADAMW"] = "1" if fused == "lean" else "0"
+        assert compat.fuse_torch_adamw(opt, device_types=("cpu",)) == 1
+        step = opt.chained_optimizers[0].optimizer.step
+        assert isinstance(step, compat.LeanFusedAdamWStep) == (fused == "lean")
     inners = getattr(opt, "chained_optimizers", [opt])  # megatron chains dense and expert parameters
     flats = [getattr(o, "k3_flat_params", None) for o in inners]
     assert all((f is not None) == coalesce for f in flats), flats
@@ -56,6 +64,8 @@ def train(coalesce: bool):
         losses.append(float(out[0]["lm_sum"]))
         ok, _, _ = opt.step()
         assert ok
+    if fused == "lean":
+        assert opt.chained_optimizers[0].optimizer.step.lean_steps == len(batches) - 1  # all but the first
     mains = [p.detach().clone() for o in inners for g in o.fp32_from_float16_groups for p in g]
     end = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     assert sum(not torch.equal(start[n], end[n]) for n in end) > len(end) // 2  # the steps moved the weights
@@ -69,4 +79,9 @@ assert pa.keys() == pb.keys()
 for n in pa:
     assert torch.equal(pa[n], pb[n]), n
 assert len(ma) == len(mb) and all(torch.equal(a, b) for a, b in zip(ma, mb))
+# torch's fused AdamW kernel driven by LeanFusedAdamWStep: bit-identical to torch's own fused step
+lc, pc, mc = train(True, fused="torch")
+ld, pd, md = train(True, fused="lean")
+assert lc == ld and all(torch.equal(pc[n], pd[n]) for n in pc) and all(torch.equal(a, b) for a, b in zip(mc, md))
+print("lean fused AdamW: bit-identical over", len(batches), "steps")
 print("coalesce check OK", len(pa), "params, losses", la)
