@@ -64,7 +64,7 @@ And one on every machine (``use_lean_grad_clipping()``, called by ``setup_device
    enter the norm is made once per optimizer with megatron's own predicates (they are static for a built
    model; rebuilt if the optimizer's parameter list changes) and only ``p.grad`` is read per step; the DTensor
    helpers return plain tensors at once; and, where Transformer Engine does not provide it, megatron's
-   ``multi_tensor_scale_tensor_impl`` is ``foreach_scale_tensor``, so megatron takes its own device-tensor path
+   ``multi_tensor_scale_tensor_impl`` is ``foreach_scale``, so megatron takes its own device-tensor path
    (the one it runs with Transformer Engine): the norm stays a one-element device tensor and the clip
    coefficient ``min(1, clip / (norm + 1e-6))`` multiplies the gradients on the device. The returned grad norm
    is then a tensor (callers take ``float()`` when they log it). The coefficient rounds in fp32 instead of
@@ -270,14 +270,19 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """``amp_C.multi_tensor_scale``: ``dst = src * scale`` (in src's dtype, then cast, as megatron's loop)."""
+    """``amp_C.multi_tensor_scale``: ``dst = src * scale`` (in src's dtype, then cast, as megatron's loop); and,
+    with ``scale`` a one-element device tensor, Transformer Engine's ``multi_tensor_scale_tensor`` (megatron's
+    clip coefficient kept on the device, item 9: no host sync)."""
     src, dst = tensor_lists[0], tensor_lists[1]
     if not src:
         return
+    on_device = torch.is_tensor(scale)
+    if on_device:
+        scale = scale.reshape(())
     if all(a is b for a, b in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
         return
-    torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
+    torch._foreach_copy_(dst, src if not on_device and scale == 1.0 else torch._foreach_mul(src, scale))
 
 
 def fuse_torch_adamw(optimizer, device_types=("cuda",)) -> int:
@@ -463,34 +468,29 @@ def use_cached_router_walks() -> None:
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def foreach_scale_tensor(chunk_size, noop_flag, tensor_lists, scale):
-    """Transformer Engine's ``multi_tensor_scale_tensor``: ``dst = src * scale`` with ``scale`` a one-element
-    device tensor (megatron's clip coefficient kept on the device: no host sync)."""
-    src, dst = tensor_lists[0], tensor_lists[1]
-    if not src:
-        return
-    s = scale.reshape(())
-    if all(a is b for a, b in zip(src, dst)):
-        torch._foreach_mul_(dst, s)
-        return
-    torch._foreach_copy_(dst, torch._foreach_mul(src, s))
+def counts_in_grad_norm(p, tp_group=None, expert_tp_group=None) -> bool:
+    """megatron's ``_filter_grads_for_norm`` predicates on a parameter itself (not shared, not a tensor- or
+    generalized-tensor-parallel duplicate), all static for a built model; item 9's cached selection and the
+    host-streamed optimizer's norm lists (``offload.py``) use this one test."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    return (param_is_not_shared(p) and tensor_parallel.param_is_not_gtp_duplicate(p)
+            and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, tp_group=tp_group,
+                                                                       expert_tp_group=expert_tp_group))
 
 
 def _static_norm_params(opt, params, grad_norm_group):
-    """The parameters whose gradients megatron's ``_filter_grads_for_norm`` keeps, by its own predicates, all
-    static for a built model (the norm group, shared, tensor- and generalized-tensor-parallel duplicates)."""
-    from megatron.core import tensor_parallel
+    """The parameters whose gradients megatron's ``get_grads_for_grad_norm`` keeps: in the norm group and
+    ``counts_in_grad_norm`` with the optimizer's groups."""
     from megatron.core.optimizer import optimizer as mopt
-    from megatron.core.transformer.module import param_is_not_shared
 
     def in_group(p):
         g = mopt._get_param_grad_norm_group(p)
         return g == grad_norm_group if grad_norm_group is not None else not mopt._is_separate_grad_norm_group(g)
 
     tp, etp = getattr(opt, "tp_group", None), getattr(opt, "expert_tp_group", None)
-    return [p for p in params if in_group(p) and param_is_not_shared(p)
-            and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, tp_group=tp, expert_tp_group=etp)
-            and tensor_parallel.param_is_not_gtp_duplicate(p)]
+    return [p for p in params if in_group(p) and counts_in_grad_norm(p, tp, etp)]
 
 
 def use_lean_grad_clipping() -> None:
@@ -506,7 +506,7 @@ def use_lean_grad_clipping() -> None:
                  "get_data_parallel_group_if_dtensor": clip_grads.get_data_parallel_group_if_dtensor,
                  "get_grads_for_grad_norm": mopt.MegatronOptimizer.get_grads_for_grad_norm}
     if clip_grads.multi_tensor_scale_tensor_impl is None:  # Transformer Engine's kernel is used when present
-        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale_tensor
+        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale
     to_local, dp_group = unpatched["to_local_if_dtensor"], unpatched["get_data_parallel_group_if_dtensor"]
 
     def to_local_if_dtensor(t):
@@ -521,7 +521,7 @@ def use_lean_grad_clipping() -> None:
 
     def get_grads_for_grad_norm(self, grad_norm_group=None):
         params = self.get_parameters()
-        if self.config.use_precision_aware_optimizer or any(getattr(p, "__fsdp_param__", False) for p in params[:1]):
+        if self.config.use_precision_aware_optimizer or (params and getattr(params[0], "__fsdp_param__", False)):
             return orig_get(self, grad_norm_group)  # decoupled or DTensor gradients: megatron's own walk
         cache = self.__dict__.setdefault("_k3_norm_params", {})
         hit = cache.get(grad_norm_group)

@@ -196,9 +196,7 @@ class HostStreamAdamW:
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
 
     def _build_norm_lists(self, ps):
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.tensor_parallel.layers import param_is_not_gtp_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
+        from .compat import counts_in_grad_norm
 
         tp_group = ps.get_tensor_model_parallel_group()
         etp_group = ps.get_expert_tensor_parallel_group(check_initialized=False)
@@ -209,8 +207,7 @@ class HostStreamAdamW:
         pieces = []
         for reg in self.regions:
             for p, plo, phi, blo, _ in reg.pieces:
-                if not (param_is_not_shared(p) and param_is_not_gtp_duplicate(p)
-                        and param_is_not_tensor_parallel_duplicate(p, tp_group=tp_group, expert_tp_group=etp_group)):
+                if not counts_in_grad_norm(p, tp_group, etp_group):
                     continue
                 key = (p.dtype != torch.float32, len(pieces)) if self.distributed else (named[p],)
                 pieces.append((key, reg.buffer.grad_data[blo:blo + (phi - plo)], getattr(p, "allreduce", True)))

@@ -80,7 +80,8 @@ got, want = inner.get_grads_for_grad_norm(), UNPATCHED["get_grads_for_grad_norm"
 assert len(got) == len(want) > 10 and all(a is b for a, b in zip(got, want)), (len(got), len(want))
 n_params = sum(1 for _ in inner.get_parameters())
 assert len(got) == n_params - 1, (len(got), n_params)  # the shared one is left out
-assert inner.get_grads_for_grad_norm() == got or all(a is b for a, b in zip(inner.get_grads_for_grad_norm(), got))
+again = inner.get_grads_for_grad_norm()  # from the cached selection
+assert len(again) == len(got) and all(a is b for a, b in zip(again, got))
 
 # 2. norm and clip
 norm = clip_grads.get_grad_norm_fp32(got)
@@ -136,7 +137,7 @@ def train(impls, steps=3):
 
 # megatron's own device-tensor path (what it runs with Transformer Engine's multi_tensor_scale_tensor): item 9's
 # cached filters and lean DTensor checks change nothing, bit for bit
-TENSOR_PATH = dict(UNPATCHED, multi_tensor_scale_tensor_impl=compat.foreach_scale_tensor)
+TENSOR_PATH = dict(UNPATCHED, multi_tensor_scale_tensor_impl=compat.foreach_scale)
 la, pa, ra, ga, ma = train(TENSOR_PATH)
 lb, pb, rb, gb, mb = train(PATCHED)
 assert ra[1:] == [0, 0] and rb[1:] == [0, 0], (ra, rb)  # no host read after the first step (which caches
