@@ -9,7 +9,17 @@ on how many kernels it has.
 What is captured: ``body(h, *blocks) -> h'``, the layer's math on the partial block sum ``h`` and the
 completed AttnRes snapshots ``blocks`` (the golden ``K3DecoderLayer.forward``); the snapshot list itself
 (``blocks + [h]`` at a block's first layer) is rebuilt outside the graph, so no graph output aliases an
-input. The backward graph returns the gradients of ``h`` and of every block; the layer's parameter
+input.
+
+Shared static inputs: a replay copies each input into the graph's static input unless it already lives
+there (torch compares ``data_ptr``). Snapshot ``j`` is the ``h`` input of the block's first layer ``s_j``,
+which that layer's replay has just copied into its static ``h``; so the static input of snapshot ``j`` in
+every later layer's graph *is* that tensor (``capture_layer_graphs`` passes it as their sample), and the
+snapshot handed on is ``_StaticAlias(h)``: the values of that buffer with ``h``'s autograd history. A later
+layer's replay then copies nothing for its blocks (k3-mini: 81 of 105 input copies of 64 MiB per
+micro-batch, and 81 static buffers fewer). The buffer keeps its values until ``s_j`` replays again, i.e.
+the next micro-batch's forward, after this one's backward (no pipelining: ``check_cuda_graphs``).
+``K3_GRAPH_SHARED_INPUTS=0`` gives every graph its own block inputs again (the A/B switch). The backward graph returns the gradients of ``h`` and of every block; the layer's parameter
 gradients are added to megatron DDP's ``main_grad`` buffers inside the graph (the grouped experts by
 ``moe.stacked_main_grad``, every other parameter by ``_AddToMainGrad``; the buffers are persistent, so the
 captured addresses stay valid), which is all DDP's hooks would do without overlapped reduction
@@ -119,6 +129,27 @@ class _AddToMainGrad(torch.autograd.Function):
         return None, g.new_zeros(0)
 
 
+class _StaticAlias(torch.autograd.Function):
+    """``(x, buf) -> buf``'s storage with ``x``'s autograd history: the forward returns a detached alias of
+    ``buf`` (which must hold ``x``'s values: the graph replay that filled it), the backward hands the
+    gradient to ``x`` unchanged. ``buf`` is not an input of the node (passed in a list), so autograd neither
+    tracks nor saves it."""
+
+    @staticmethod
+    def forward(ctx, x, holder):
+        return holder[0].detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def shared_static_inputs() -> bool:
+    """Whether later layers' graphs read the AttnRes snapshots from the snapshot layers' static inputs (module
+    docstring, "Shared static inputs"); ``K3_GRAPH_SHARED_INPUTS=0``: every graph copies its own."""
+    return os.environ.get("K3_GRAPH_SHARED_INPUTS", "1") != "0"
+
+
 def main_grad_params(layer) -> dict[str, torch.Tensor]:
     """The parameters of ``layer`` whose gradients its captured backward adds to ``main_grad`` itself:
     those ``runtime.wrap_ddp`` marked ``k3_graph_main_grad`` (DDP without overlapped reduction, whose hooks
@@ -184,10 +215,13 @@ class GraphedLayer:
     """The replayable form of one layer (a plain object, not a submodule: the model's parameter names and
     state dict do not change)."""
 
-    def __init__(self, layer, graphed_body, sample, anchor=None):
+    def __init__(self, layer, graphed_body, sample, anchor=None, shared_inputs: bool = True):
         self.layer, self.body = layer, graphed_body
         self.sig = [(t.shape, t.dtype, t.device) for t in sample]
         self.anchor = anchor  # the empty leaf of a _SunkLayerBody's graph (None: parameter gradients leave it)
+        # a snapshot layer's static h: the later layers' graphs read their copy of this snapshot from it
+        # (module docstring, "Shared static inputs")
+        self.static_h = sample[0] if shared_inputs and getattr(layer, "snapshot", False) else None
         self.replays = 0  # forward replays so far (tests and benchmarks read it)
 
     def matches(self, h, blocks) -> bool:
@@ -198,7 +232,10 @@ class GraphedLayer:
     def __call__(self, h, blocks):
         self.replays += 1
         lead = () if self.anchor is None else (self.anchor,)
-        return self.body(*lead, h, *(blocks or [])), next_blocks(self.layer, h, blocks)
+        out = self.body(*lead, h, *(blocks or []))
+        if self.static_h is not None:  # the replay left h's values in static_h: hand on an alias of it
+            h = _StaticAlias.apply(h, [self.static_h])
+        return out, next_blocks(self.layer, h, blocks)
 
 
 def run_layer(layer, h, blocks):
@@ -248,16 +285,24 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
         raise CudaGraphError("layer graphs need the model, DDP and training on a side stream: call "
                              "graphs.use_graph_stream('local') before building them (graphs.py, 'Streams')")
     bodies, samples, layers = [], [], []
+    shared = shared_static_inputs()
     for m in models:
         if not m.pre_process:
             raise CudaGraphError("layer graphs are captured on the first (only) pipeline stage")
         D = m.cfg.hidden_size
         dtype, dev = m.embed_tokens.weight.dtype, m.embed_tokens.weight.device
         gen = torch.Generator(device=dev).manual_seed(0)
+        snaps = []  # static h of the snapshot layers so far: the static block inputs of every later layer
         for layer in m.layers.values():
             nb = m.num_blocks_before(layer.layer_idx) if m.attn_res else 0
-            sample = tuple((torch.randn(seq_length, micro_batch_size, D, device=dev, generator=gen) * 0.02)
-                           .to(dtype).requires_grad_() for _ in range(1 + nb))
+            if len(snaps) != nb:
+                raise CudaGraphError(f"layer {layer.layer_idx}: {nb} AttnRes blocks expected, {len(snaps)} snapshot "
+                                     "layers before it")
+            fresh = [(torch.randn(seq_length, micro_batch_size, D, device=dev, generator=gen) * 0.02).to(dtype)
+                     .requires_grad_() for _ in range(1 if shared else 1 + nb)]
+            sample = tuple(fresh) if not shared else (fresh[0],) + tuple(snaps)
+            if getattr(layer, "snapshot", False):
+                snaps.append(fresh[0])
             if grads_in_graph(layer):
                 anchor = torch.zeros(0, device=dev, requires_grad=True)
                 bodies.append(_SunkLayerBody(layer))
@@ -273,7 +318,7 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
         graphed = torch.cuda.make_graphed_callables(tuple(bodies), tuple(samples), num_warmup_iters=warmup_iters,
                                                     allow_unused_input=True)
         for (layer, sample, anchor), body in zip(layers, graphed):
-            layer.k3_graph = GraphedLayer(layer, body, sample, anchor)
+            layer.k3_graph = GraphedLayer(layer, body, sample, anchor, shared)
     finally:  # undo what warm-up and capture left in persistent state (also when capture failed)
         torch.cuda.synchronize()
         for d in ddp:

@@ -56,6 +56,7 @@ def _emulate(func, static_in, num_warmup_iters, allow_unused_input):
             for s, x in zip(static_in, inputs[:len(static_in)]):
                 if s.data_ptr() != x.data_ptr():
                     s.copy_(x)
+                    input_copies["n"] += 1
             with torch.enable_grad():
                 o = orig(*static_in)  # "replay": recomputed on the static inputs
             if "out" not in state:
@@ -94,6 +95,7 @@ def _emulate(func, static_in, num_warmup_iters, allow_unused_input):
 
 torch.cuda.make_graphed_callables = emulated_make_graphed_callables
 sink_adds = {"n": 0}
+input_copies = {"n": 0}  # static-input copies made by replays (graphs.py, "Shared static inputs")
 _sink_backward = _AddToMainGrad.backward
 
 
@@ -131,6 +133,7 @@ for mode in ("eager", "graphs", "graphs_grads_out"):  # graphs_grads_out: K3_GRA
     sunk = sum(len(main_grad_params(lay)) for lay in unwrap_model(chunks[0]).layers.values())
     assert sunk > 0
     sink_adds["n"] = 0
+    input_copies["n"] = 0
     losses, grads1 = [], None
     for micro in steps:
         ddp[0].zero_grad_buffer()
@@ -146,6 +149,7 @@ for mode in ("eager", "graphs", "graphs_grads_out"):  # graphs_grads_out: K3_GRA
         if micro is steps[2]:
             res[mode + "_sink_adds"] = (sink_adds["n"], sunk)
     replays = layer_graph_replays(chunks)
+    res[mode + "_input_copies"] = input_copies["n"]
     params = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     bias = torch.cat([r.expert_bias.detach().clone() for _, r in moe_routers(chunks)])
     res[mode] = (losses, params, bias, n_layers, replays, grads1)
@@ -183,6 +187,12 @@ print("in-graph main_grad adds in the full steps (adds, sunk parameters): eager"
 adds, sunk = res["graphs_sink_adds"]  # every sunk parameter the layers use, once per replayed micro-batch
 assert res["eager_sink_adds"][0] == 0 and adds % (3 * MICRO) == 0 and sunk - 4 <= adds // (3 * MICRO) <= sunk, res
 assert replays == 3 * MICRO * n_layers, (replays, n_layers)  # every layer call of the full steps, none at B = 1
+# a replay copies its h only: the AttnRes snapshots already live in the static inputs of the later layers
+blocks_in = sum(unwrap_model(chunks[0]).num_blocks_before(i) for i in range(n_layers))
+print("static-input copies per replay:", res["graphs_input_copies"] / replays, "(AttnRes block inputs per micro-batch:",
+      blocks_in, ")")
+assert blocks_in > 0 and res["graphs_input_copies"] == replays, (res["graphs_input_copies"], replays)
+assert res["graphs_grads_out_input_copies"] == replays_out
 for a, b in zip(lg, le):
     assert abs(a - b) <= 1e-6 * abs(b), (lg, le)
 # the first step's gradients agree to fp32 summation-order round-off (measured ~7e-7: the gradients of inputs
