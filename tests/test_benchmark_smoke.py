@@ -98,18 +98,26 @@ def test_idle_gaps_charges_each_gap_to_its_host_phase(root):
     """The device-idle analysis of the profiled step (``idle_gaps``) on a hand-made timeline (microseconds)."""
     idle_gaps = _benchmark_module(root).idle_gaps
     kernels = [(0, 10, "a"), (5, 12, "b"), (2, 4, "inside_a"),   # overlapping and nested kernels: no gap
-               (20, 30, "c"), (100, 110, "d"), (111, 120, "e"), (140, 150, "f")]
+               (20, 30, "c"), (100, 110, "d"), (111, 120, "e"), (140, 150, "f"),
+               (151, 160, "e"), (163, 170, "f")]                   # two more e -> f gaps (unannotated)
     ranges = [(0, 80, "k3.forward_backward"), (0, 15, "k3.forward"), (85, 125, "k3.optimizer_step")]
     r = idle_gaps(kernels, ranges)
     # gaps: 12-20 (backward: in forward_backward, after k3.forward), 30-100 (backward), 110-111 (optimizer),
     # 120-140 (midpoint 130: no phase)
-    assert abs(r["idle_s"] - 99e-6) < 1e-12
+    # 120-140 (midpoint 130: no phase), 150-151 and 160-163 (no phase)
+    assert abs(r["idle_s"] - 103e-6) < 1e-12
     assert list(r["by_phase_s"]) == ["backward", "unannotated", "optimizer_step"]  # largest first
-    assert all(abs(r["by_phase_s"][k] - v) < 1e-12 for k, v in (("backward", 78e-6), ("unannotated", 20e-6),
+    assert all(abs(r["by_phase_s"][k] - v) < 1e-12 for k, v in (("backward", 78e-6), ("unannotated", 24e-6),
                                                                   ("optimizer_step", 1e-6)))
     assert r["longest"][0] == {"us": 70, "phase": "backward", "after_kernel": "c", "before_kernel": "d"}
-    assert r["longest"][-1]["us"] == 1 and len(r["longest"]) == 4
-    assert idle_gaps([], ranges) == {"idle_s": 0.0, "by_phase_s": {}, "longest": []}
+    assert r["longest"][-1]["us"] == 1 and len(r["longest"]) == 6
+    # by kind of gap, most idle first: the two e -> f gaps (20 + 3 us) are one entry
+    assert r["by_pair"][:3] == [
+        {"us_total": 70, "count": 1, "phase": "backward", "after_kernel": "c", "before_kernel": "d"},
+        {"us_total": 23, "count": 2, "phase": "unannotated", "after_kernel": "e", "before_kernel": "f"},
+        {"us_total": 8, "count": 1, "phase": "backward", "after_kernel": "b", "before_kernel": "c"}]
+    assert len(r["by_pair"]) == 5 and sum(p["count"] for p in r["by_pair"]) == 6
+    assert idle_gaps([], ranges) == {"idle_s": 0.0, "by_phase_s": {}, "longest": [], "by_pair": []}
 
 
 def test_profile_intervals_reads_the_phase_ranges(root):

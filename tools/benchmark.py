@@ -532,10 +532,12 @@ def idle_gaps(kernels, ranges, top_n: int = 12) -> dict:
     (``megatron_step``). Between the first kernel's start and the last kernel's end, every stretch with no
     kernel running is idle; each is charged to the innermost phase whose host range covers its midpoint
     (``backward`` for ``k3.forward_backward`` outside ``k3.forward``; ``unannotated`` when none does).
-    Returns the idle total, idle per phase, and the ``top_n`` longest gaps with the kernels on either side."""
+    Returns the idle total, idle per phase, the ``top_n`` longest gaps with the kernels on either side, and
+    ``by_pair``: the ``top_n`` (phase, kernel before, kernel after) kinds of gap with the most idle time in all
+    (count and total: many short gaps of one kind can cost more than the longest ones)."""
     ks = sorted(kernels)
     if not ks:
-        return {"idle_s": 0.0, "by_phase_s": {}, "longest": []}
+        return {"idle_s": 0.0, "by_phase_s": {}, "longest": [], "by_pair": []}
     gaps, end, prev = [], ks[0][1], ks[0][2]
     for a, b, name in ks[1:]:
         if a > end:
@@ -551,16 +553,21 @@ def idle_gaps(kernels, ranges, top_n: int = 12) -> dict:
         inner = max(cover, key=lambda r: r[0])[2]  # ranges nest: the latest-starting one is the innermost
         return names.get(inner, inner.removeprefix("k3."))
 
-    by_phase = {}
+    by_phase, by_pair = {}, {}
     longest = []
     for dur, a, b, before, after in gaps:
         ph = phase((a + b) / 2)
         by_phase[ph] = by_phase.get(ph, 0.0) + dur / 1e6
         longest.append({"us": round(dur, 1), "phase": ph, "after_kernel": before[:70], "before_kernel": after[:70]})
+        n, t = by_pair.get((ph, before[:70], after[:70]), (0, 0.0))
+        by_pair[ph, before[:70], after[:70]] = (n + 1, t + dur)
     longest.sort(key=lambda g: -g["us"])
+    pairs = sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:top_n]
     return {"idle_s": round(sum(g[0] for g in gaps) / 1e6, 6),
             "by_phase_s": {k: round(v, 6) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
-            "longest": longest[:top_n]}
+            "longest": longest[:top_n],
+            "by_pair": [{"us_total": round(t, 1), "count": n, "phase": ph, "after_kernel": k0, "before_kernel": k1}
+                        for (ph, k0, k1), (n, t) in pairs]}
 
 
 def profile_intervals(prof):

@@ -308,11 +308,12 @@ def check_situ_shapes(report):
     report["situ_stream_vs_fp64"] = out
 
 
-def check_layer_graphs(cfg, report):
+def check_layer_graphs(cfg, report, B: int = 4):
     """CUDA graphs of the decoder layers (``megatron/graphs.py``) against the same model run eagerly: the same
     init and batches through megatron's schedule, DDP and Adam for 3 steps, then one step at half the
-    micro-batch (the graphed model must fall back to eager there). Compares every step's loss, the
-    parameters after the steps and the routers' expert bias."""
+    micro-batch (the graphed model must fall back to eager there). Compares every step's loss, the first
+    step's gradients, the parameters after the steps and the routers' expert bias; an eager repeat measures
+    bf16's own run-to-run spread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from benchmark import megatron_step
     from megatron.core import parallel_state as ps
@@ -330,7 +331,7 @@ def check_layer_graphs(cfg, report):
     device = init_distributed(layout, seed=7)
     use_graph_stream("local")  # eager and graphed runs on the same side stream
     sd = K3ForCausalLM(cfg, seed=7).state_dict()
-    B, S = 4, cfg.seq_length
+    S = cfg.seq_length
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g) for _ in range(3)]
     batches.append(batches[0][: B // 2])
@@ -343,7 +344,16 @@ def check_layer_graphs(cfg, report):
         ddp = wrap_ddp(chunks, tconfig)
         opt = build_optimizer(ddp, lr=1e-3, bf16=True)
         captured = capture_layer_graphs(chunks, ddp, B, S) if mode == "graphs" else 0
-        losses = []
+        losses, grads1 = [], {}
+        real_step = opt.step
+
+        def first_step():  # the first step's accumulated gradients (main_grad), before any update
+            grads1.update({n: p.main_grad.detach().float().cpu().clone() for n, p in chunks[0].named_parameters()
+                           if getattr(p, "main_grad", None) is not None})
+            opt.step = real_step
+            return real_step()
+
+        opt.step = first_step
         for t in batches:
             step = megatron_step(ddp, opt, make_forward_step(), t.shape[0], S)
             d = step([(t[:, :-1].to(device), t[:, 1:].to(device))])[0]
@@ -351,15 +361,30 @@ def check_layer_graphs(cfg, report):
         replays = layer_graph_replays(chunks)
         params = {n: p.detach().float().cpu().clone() for n, p in chunks[0].named_parameters()}
         bias = torch.cat([r.expert_bias.detach().float().cpu() for _, r in moe_routers(chunks)])
-        runs[mode] = (losses, params, bias, captured, replays)
+        runs[mode] = (losses, params, bias, captured, replays, grads1)
         del chunks, ddp, opt
         torch.cuda.empty_cache()
 
+    def by_layer(err):  # the largest error among each layer's parameters ("other": embedding, head, norms)
+        out = {}
+        for n, e in err.items():
+            key = ".".join(n.split(".")[:2]) if n.startswith("layers.") else "other"
+            out[key] = max(out.get(key, 0.0), e)
+        return out
+
     def compare(a, b):
-        (la, pa, ba, _, _), (lb, pb, bb, _, _) = runs[a], runs[b]
+        (la, pa, ba, _, _, ga), (lb, pb, bb, _, _, gb) = runs[a], runs[b]
         perr = {n: rel(pb[n], pa[n]) for n in pa}
-        worst = max(perr, key=perr.get)
+        gerr = {n: rel(gb[n], ga[n]) for n in ga}
+        worst, gworst = max(perr, key=perr.get), max(gerr, key=gerr.get)
+        names = sorted(ga)
+        flat_a, flat_b = (torch.cat([g[n].flatten() for n in names]) for g in (ga, gb))
         return {"losses_" + a: la, "losses_" + b: lb,
+                "first_loss_rel_err": abs(la[0] - lb[0]) / abs(la[0]),
+                "first_step_grad_rel_err_all": rel(flat_b, flat_a),  # all gradients as one vector
+                "first_step_grad_rel_err_max": gerr[gworst], "first_step_grad_rel_err_worst": gworst,
+                "first_step_grad_rel_err_top5": {n: gerr[n] for n in sorted(gerr, key=gerr.get, reverse=True)[:5]},
+                "first_step_grad_rel_err_by_layer": by_layer(gerr),
                 "loss_rel_err_max": max(abs(x - y) / abs(y) for x, y in zip(lb, la)),
                 "param_rel_err_max": perr[worst], "param_rel_err_worst": worst, "expert_bias_rel_err": rel(bb, ba)}
 
@@ -367,13 +392,26 @@ def check_layer_graphs(cfg, report):
     g.update(layers_captured=runs["graphs"][3], layer_calls_replayed=runs["graphs"][4])
     out["bf16"], out["bf16_eager_vs_eager_repeat"] = g, c
     report["layer_graphs_vs_eager"] = out
+    # What is gated: the first step, before any update (the same loss and gradients as the eager model). The
+    # later losses and the parameters after 4 Adam steps are reported only: in bf16 two eager runs of the same
+    # code already end up far apart there (k3-mini-8 on the H200, 2026-12-03: parameters 0.62 relative, losses
+    # 2e-3), as Adam's normalised step turns run-to-run round-off in tiny gradients (A_log) into O(lr) changes.
+    # The gradient tolerances are bf16's: an AttnRes block's gradient is the bf16 sum of up to 2 x (L - 1) mixer
+    # contributions, added per layer inside the graph and then across layers, in another order than eagerly;
+    # measured 2026-12-03 (benchmarks/README.md), graphed vs eager differ 1.4% over all gradients, the five
+    # largest in layer 0 and the embedding (the first snapshot, with the most contributions); bf16 gradients are 8%
+    # (median) from the fp32 golden model (gpu_check_h200_2026-12-01.json). A lost or doubled contribution is
+    # O(1) in the parameters it feeds; the fp32 emulation on the CPU (tests/helpers/graph_emulation_check.py)
+    # pins the same code path to 1e-5.
     report["graphs_criteria"] = ("every layer captured and replayed on the 3 full batches, none on the half batch; "
-                                 "bf16 after 4 Adam steps: graphed vs eager losses within max(2e-3, 3x the eager "
-                                 "run's own repeat spread) relative, parameters within max(1e-2, 3x that spread)")
+                                 "first step in bf16: graphed vs eager loss within 1e-3 relative, all gradients (one "
+                                 "vector) within max(2e-2, 3x the eager run's own repeat spread) and every parameter's "
+                                 "gradient within max(5e-2, 3x that spread), relative Frobenius")
     n_layers = cfg.num_hidden_layers
     report["graphs_pass"] = bool(g["layers_captured"] == n_layers and g["layer_calls_replayed"] == 3 * n_layers
-                                 and g["loss_rel_err_max"] <= max(2e-3, 3 * c["loss_rel_err_max"])
-                                 and g["param_rel_err_max"] <= max(1e-2, 3 * c["param_rel_err_max"]))
+                                 and g["first_loss_rel_err"] <= 1e-3
+                                 and g["first_step_grad_rel_err_all"] <= max(2e-2, 3 * c["first_step_grad_rel_err_all"])
+                                 and g["first_step_grad_rel_err_max"] <= max(5e-2, 3 * c["first_step_grad_rel_err_max"]))
     ps.destroy_model_parallel()
 
 
@@ -553,10 +591,12 @@ def main():
                          "imported first and with torch's cuDNN loaded before TE, and cuDNN's kernel vs the "
                          "memory-efficient one; fused: fla's short convolution and the fast linear CE vs fp64 (the "
                          "megatron model that runs both: the default checks)")
-    ap.add_argument("--graphs-preset", choices=["gpu", "k3-mini"], default="gpu",
-                    help="model of --only graphs: gpu (the widened k3-tiny of the other checks) or k3-mini at "
-                         "4 x 4096 tokens, the benchmark's shapes, whose compiled kernels a carried "
-                         ".gpu/cache already holds (tools/gpu_cache.sh)")
+    ap.add_argument("--graphs-preset", choices=["gpu", "k3-mini", "k3-mini-8"], default="gpu",
+                    help="model of --only graphs: gpu (the widened k3-tiny of the other checks); k3-mini at "
+                         "4 x 4096 tokens; k3-mini-8: k3-mini's widths cut to 8 layers with an AttnRes block every "
+                         "2 layers (snapshots at 0, 2, 4, 6: up to 4 blocks, as in the 24 layers) at 8 x 4096 "
+                         "tokens, the benchmark's kernel shapes, whose compiled kernels a carried .gpu/cache "
+                         "already holds (tools/gpu_cache.sh)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_check.py needs a CUDA GPU")
@@ -576,12 +616,18 @@ def main():
     elif args.only == "compiled":
         check_compiled_glue(cfg, report)
     elif args.only == "graphs":
+        B = 4
         if args.graphs_preset == "k3-mini":
             from megatron_k3.config import get_preset
 
             cfg = get_preset("k3-mini", seq_length=4096)
             report["config"] = "k3-mini, seq 4096, batch 4 (then 2)"
-        check_layer_graphs(cfg, report)
+        elif args.graphs_preset == "k3-mini-8":
+            from megatron_k3.config import get_preset
+
+            cfg, B = get_preset("k3-mini", seq_length=4096, num_hidden_layers=8, attn_res_block_size=2), 8
+            report["config"] = "k3-mini widths, 8 layers, AttnRes block 2, seq 4096, batch 8 (then 4)"
+        check_layer_graphs(cfg, report, B)
     elif args.only == "sdpa":
         check_sdpa(report)
     elif args.only == "fused":
