@@ -109,15 +109,35 @@ def test_idle_gaps_charges_each_gap_to_its_host_phase(root):
     assert list(r["by_phase_s"]) == ["backward", "unannotated", "optimizer_step"]  # largest first
     assert all(abs(r["by_phase_s"][k] - v) < 1e-12 for k, v in (("backward", 78e-6), ("unannotated", 24e-6),
                                                                   ("optimizer_step", 1e-6)))
-    assert r["longest"][0] == {"us": 70, "phase": "backward", "after_kernel": "c", "before_kernel": "d"}
+    assert r["longest"][0] == {"us": 70, "phase": "backward", "cause": "unknown", "after_kernel": "c",
+                               "before_kernel": "d"}
     assert r["longest"][-1]["us"] == 1 and len(r["longest"]) == 6
     # by kind of gap, most idle first: the two e -> f gaps (20 + 3 us) are one entry
     assert r["by_pair"][:3] == [
-        {"us_total": 70, "count": 1, "phase": "backward", "after_kernel": "c", "before_kernel": "d"},
-        {"us_total": 23, "count": 2, "phase": "unannotated", "after_kernel": "e", "before_kernel": "f"},
-        {"us_total": 8, "count": 1, "phase": "backward", "after_kernel": "b", "before_kernel": "c"}]
+        {"us_total": 70, "count": 1, "phase": "backward", "cause": "unknown", "after_kernel": "c", "before_kernel": "d"},
+        {"us_total": 23, "count": 2, "phase": "unannotated", "cause": "unknown", "after_kernel": "e",
+         "before_kernel": "f"},
+        {"us_total": 8, "count": 1, "phase": "backward", "cause": "unknown", "after_kernel": "b", "before_kernel": "c"}]
     assert len(r["by_pair"]) == 5 and sum(p["count"] for p in r["by_pair"]) == 6
-    assert idle_gaps([], ranges) == {"idle_s": 0.0, "by_phase_s": {}, "longest": [], "by_pair": []}
+    assert r["by_cause_s"] == {"unknown": 103e-6}  # no launch ids: no cause
+    assert idle_gaps([], ranges) == {"idle_s": 0.0, "by_phase_s": {}, "by_cause_s": {}, "longest": [], "by_pair": []}
+
+
+def test_idle_gaps_names_the_cause_of_each_gap(root):
+    """With the launching host call of each kernel: a gap inside one launch (a replayed graph), a next kernel
+    launched only after the device went idle (host-bound), or launched before (the device waited)."""
+    idle_gaps = _benchmark_module(root).idle_gaps
+    kernels = [(0, 10, "g1", 7), (15, 20, "g2", 7),      # 10-15: both from launch 7 (one graph replay)
+               (50, 60, "k", 8),                          # 20-50: launch 8 called at host time 40 (late)
+               (70, 80, "m", 9),                          # 60-70: launch 9 called at 30, before the gap
+               (90, 95, "x", None)]                       # 80-90: no launch id
+    launches = {7: (0, "cudaGraphLaunch"), 8: (40, "cudaLaunchKernel"), 9: (30, "cuLaunchKernelEx")}
+    r = idle_gaps(kernels, [], launches)
+    assert r["by_cause_s"] == {"host_late": 30e-6, "device_wait": 10e-6, "unknown": 10e-6, "in_launch": 5e-6}
+    assert [(g["cause"], g["us"]) for g in r["longest"]] == [("host_late", 30), ("device_wait", 10),
+                                                              ("unknown", 10), ("in_launch", 5)]
+    assert r["by_pair"][0] == {"us_total": 30, "count": 1, "phase": "unannotated", "cause": "host_late",
+                               "after_kernel": "g2", "before_kernel": "k"}
 
 
 def test_profile_intervals_reads_the_phase_ranges(root):
@@ -131,8 +151,9 @@ def test_profile_intervals_reads_the_phase_ranges(root):
             torch.ones(64, 64).sum()
         with record_function("other"):
             torch.ones(8).sum()
-    kernels, ranges = profile_intervals(prof)
-    assert kernels == [] and [n for _, _, n in ranges] == ["k3.forward"] and ranges[0][1] > ranges[0][0]
+    kernels, ranges, launches = profile_intervals(prof)
+    assert kernels == [] and launches == {}
+    assert [n for _, _, n in ranges] == ["k3.forward"] and ranges[0][1] > ranges[0][0]
 
 
 def test_device_ranges_are_not_kernels(root):

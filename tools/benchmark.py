@@ -526,24 +526,40 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
                         for t, c, n, sh in sorted(ops, reverse=True)[:top_ops]]}
 
 
-def idle_gaps(kernels, ranges, top_n: int = 12) -> dict:
-    """Where the device waits for the host within one profiled step. ``kernels``: (start_us, end_us, name) of
-    every device kernel/copy; ``ranges``: (start_us, end_us, name) of the host's ``k3.*`` phase annotations
-    (``megatron_step``). Between the first kernel's start and the last kernel's end, every stretch with no
-    kernel running is idle; each is charged to the innermost phase whose host range covers its midpoint
-    (``backward`` for ``k3.forward_backward`` outside ``k3.forward``; ``unannotated`` when none does).
-    Returns the idle total, idle per phase, the ``top_n`` longest gaps with the kernels on either side, and
-    ``by_pair``: the ``top_n`` (phase, kernel before, kernel after) kinds of gap with the most idle time in all
-    (count and total: many short gaps of one kind can cost more than the longest ones)."""
-    ks = sorted(kernels)
+def idle_gaps(kernels, ranges, launches=None, top_n: int = 12) -> dict:
+    """Where the device waits for the host within one profiled step. ``kernels``: (start_us, end_us, name) or
+    (start_us, end_us, name, launch_id) of every device kernel/copy, ``launch_id`` the correlation id of the
+    host call that launched it (a graph launch launches all kernels of the graph); ``ranges``: (start_us,
+    end_us, name) of the host's ``k3.*`` phase annotations (``megatron_step``); ``launches``: launch_id ->
+    (host start_us, name of the runtime call) (``profile_intervals``). Between the first kernel's start and
+    the last kernel's end, every stretch with no kernel running is idle; each is charged to the innermost
+    phase whose host range covers its midpoint (``backward`` for ``k3.forward_backward`` outside
+    ``k3.forward``; ``unannotated`` when none does) and, with launch ids, to a cause:
+    ``in_launch`` (both kernels came from the same host call: a gap inside a replayed CUDA graph),
+    ``host_late`` (the next kernel's launch call started only after the device had gone idle: host-bound),
+    ``device_wait`` (it was launched before: the device waited on a dependency or the launch's own latency),
+    ``unknown`` (no launch id). Returns the idle total, idle per phase and per cause, the ``top_n`` longest
+    gaps with the kernels on either side, and ``by_pair``: the ``top_n`` (phase, cause, kernel before, kernel
+    after) kinds of gap with the most idle time in all (count and total: many short gaps of one kind can cost
+    more than the longest ones)."""
+    ks = sorted(k if len(k) == 4 else (*k, None) for k in kernels)
+    launches = launches or {}
     if not ks:
-        return {"idle_s": 0.0, "by_phase_s": {}, "longest": [], "by_pair": []}
-    gaps, end, prev = [], ks[0][1], ks[0][2]
-    for a, b, name in ks[1:]:
+        return {"idle_s": 0.0, "by_phase_s": {}, "by_cause_s": {}, "longest": [], "by_pair": []}
+    gaps, end, prev, prev_launch = [], ks[0][1], ks[0][2], ks[0][3]
+    for a, b, name, launch in ks[1:]:
         if a > end:
-            gaps.append((a - end, end, a, prev, name))
+            if launch is None:
+                cause = "unknown"
+            elif launch == prev_launch:
+                cause = "in_launch"
+            elif launch in launches:
+                cause = "host_late" if launches[launch][0] >= end else "device_wait"
+            else:
+                cause = "unknown"
+            gaps.append((a - end, end, a, prev, name, cause))
         if b >= end:
-            end, prev = b, name
+            end, prev, prev_launch = b, name, launch
     names = {"k3.forward_backward": "backward"}
 
     def phase(t):
@@ -553,33 +569,45 @@ def idle_gaps(kernels, ranges, top_n: int = 12) -> dict:
         inner = max(cover, key=lambda r: r[0])[2]  # ranges nest: the latest-starting one is the innermost
         return names.get(inner, inner.removeprefix("k3."))
 
-    by_phase, by_pair = {}, {}
+    by_phase, by_cause, by_pair = {}, {}, {}
     longest = []
-    for dur, a, b, before, after in gaps:
+    for dur, a, b, before, after, cause in gaps:
         ph = phase((a + b) / 2)
         by_phase[ph] = by_phase.get(ph, 0.0) + dur / 1e6
-        longest.append({"us": round(dur, 1), "phase": ph, "after_kernel": before[:70], "before_kernel": after[:70]})
-        n, t = by_pair.get((ph, before[:70], after[:70]), (0, 0.0))
-        by_pair[ph, before[:70], after[:70]] = (n + 1, t + dur)
+        by_cause[cause] = by_cause.get(cause, 0.0) + dur / 1e6
+        longest.append({"us": round(dur, 1), "phase": ph, "cause": cause, "after_kernel": before[:70],
+                        "before_kernel": after[:70]})
+        key = (ph, cause, before[:70], after[:70])
+        n, t = by_pair.get(key, (0, 0.0))
+        by_pair[key] = (n + 1, t + dur)
     longest.sort(key=lambda g: -g["us"])
     pairs = sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:top_n]
-    return {"idle_s": round(sum(g[0] for g in gaps) / 1e6, 6),
-            "by_phase_s": {k: round(v, 6) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
-            "longest": longest[:top_n],
-            "by_pair": [{"us_total": round(t, 1), "count": n, "phase": ph, "after_kernel": k0, "before_kernel": k1}
-                        for (ph, k0, k1), (n, t) in pairs]}
+
+    def desc(d):
+        return {k: round(v, 6) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}
+
+    return {"idle_s": round(sum(g[0] for g in gaps) / 1e6, 6), "by_phase_s": desc(by_phase),
+            "by_cause_s": desc(by_cause), "longest": longest[:top_n],
+            "by_pair": [{"us_total": round(t, 1), "count": n, "phase": ph, "cause": c, "after_kernel": k0,
+                         "before_kernel": k1} for (ph, c, k0, k1), (n, t) in pairs]}
 
 
 def profile_intervals(prof):
-    """(kernels, ranges) for ``idle_gaps`` from a finished ``torch.profiler.profile``."""
-    kernels, ranges = [], []
+    """(kernels, ranges, launches) for ``idle_gaps`` from a finished ``torch.profiler.profile``: each kernel
+    with the correlation id of the host call that launched it (``linked_correlation_id``), and those host
+    calls (``cudaLaunchKernel``, ``cudaGraphLaunch``, ``cuLaunchKernelEx``, ...) by correlation id."""
+    kernels, ranges, cpu = [], [], {}
     for e in prof.events():
         tr = e.time_range
         if is_device_kernel(e, e.name):
-            kernels.append((tr.start, tr.end, e.name))
-        elif e.device_type.name != "CUDA" and e.name.startswith("k3."):
-            ranges.append((tr.start, tr.end, e.name))
-    return kernels, ranges
+            kernels.append((tr.start, tr.end, e.name, getattr(e, "linked_correlation_id", 0) or None))
+        elif e.device_type.name != "CUDA":
+            if e.name.startswith("k3."):
+                ranges.append((tr.start, tr.end, e.name))
+            if e.name.startswith("cu") or e.id not in cpu:  # the runtime/driver call wins an id clash
+                cpu[e.id] = (tr.start, e.name)
+    ids = {k[3] for k in kernels if k[3] is not None}
+    return kernels, ranges, {i: cpu[i] for i in ids if i in cpu}
 
 
 def _self_device_us(e) -> float:
