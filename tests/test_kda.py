@@ -105,6 +105,9 @@ def test_short_conv_form_choice(monkeypatch):
     x = torch.zeros(1, 4, 8)
     monkeypatch.delenv("K3_COMPILE", raising=False)
     assert short_conv_impl(x) == "reference"
+    monkeypatch.setenv("K3_SHORT_CONV", "triton")  # this project's kernels: CUDA tensors only
+    assert short_conv_impl(x) == "reference"
+    monkeypatch.delenv("K3_SHORT_CONV")
     monkeypatch.setenv("K3_COMPILE", "all")
     assert short_conv_impl(x) == "compiled"
     assert short_conv_impl(x, torch.zeros(1, 3, 8)) == "compiled"
@@ -147,3 +150,47 @@ def test_shifted_conv_and_gates_equal_reference_and_trace():
             outs.append([y] + [t.grad for t in a if torch.is_tensor(t) and t.requires_grad])
         for a, b in zip(outs[1], outs[0]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_short_conv_triton_kernels_under_interpreter(root):
+    """The opt-in short-convolution kernels (``short_conv_triton.py``, ``K3_SHORT_CONV=triton``) against the
+    fp64 reference, output and both gradients, run by Triton's interpreter on the CPU: a strided input (the
+    q/k/v slice of the fused projection), T and C not multiples of the blocks (row and channel masks, the
+    K-1 recomputed rows past the end), SiLU on and off, kernel sizes 4 and 2, bf16 (the interpreter truncates
+    fp32 -> bf16, hence the looser bound)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    code = r"""
+import os, torch
+os.environ["TRITON_INTERPRET"] = "1"
+from megatron_k3.model.kda import causal_conv1d
+from megatron_k3.model.short_conv_triton import short_conv_triton, supported
+torch.manual_seed(0)
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+for B, T, C, K, dt, act, strided, tol in ((2, 70, 40, 4, torch.float32, True, True, 1e-6),
+                                          (1, 5, 130, 4, torch.float32, False, False, 1e-6),
+                                          (3, 66, 24, 2, torch.float32, True, False, 1e-6),
+                                          (2, 129, 96, 4, torch.bfloat16, True, True, 1e-2)):
+    base = torch.randn(B, T, 3 * C).to(dt)
+    x = (base[..., C:2 * C] if strided else base[..., :C].contiguous()).detach().requires_grad_()
+    assert x.stride(-1) == 1 and x.is_contiguous() != strided
+    w = (torch.randn(C, 1, K) * 0.5).requires_grad_()
+    assert supported(x, w)
+    y = short_conv_triton(x, w, act)
+    dy = torch.randn(B, T, C).to(dt)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = causal_conv1d(x64, w64, act)
+    rx, rw = torch.autograd.grad(yr, (x64, w64), dy.double())
+    errs = (rel(y, yr), rel(gx, rx), rel(gw, rw))
+    assert y.dtype == gx.dtype == dt and gw.shape == w.shape and all(e <= tol for e in errs), (B, T, C, K, dt, errs)
+assert not supported(torch.zeros(2, 3)) and not supported(torch.zeros(1, 2, 3, dtype=torch.float64))
+print("OK")
+"""
+    env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]

@@ -16,7 +16,9 @@ Parts (``--parts``, default all):
 
 - ``short_conv``: KDA's depthwise causal conv + SiLU at k3-mini's [8, 4096, 1024] bf16, reading a column
   slice of the fused projection output as the model does: fla's Triton ``causal_conv1d`` (what CUDA runs
-  now) against ``causal_conv1d_shifted`` compiled (what it ran before), both against the F.conv1d reference.
+  now) and this project's kernels (``short_conv_triton``, ``K3_SHORT_CONV=triton``: no forward recomputed in
+  backward) against ``causal_conv1d_shifted`` compiled (what it ran before), all against the F.conv1d
+  reference.
 - ``linear_ce``: the LM head + CE of one micro-batch at k3-mini (32768 tokens, hidden 1024, vocabulary
   163840, bf16): ``linear_cross_entropy`` (gradients formed in forward, no recomputation; what the
   megatron model runs; at TP 1 here) against ``chunked_cross_entropy`` (each chunk recomputed in backward).
@@ -219,6 +221,9 @@ def part_short_conv(iters):
     variants = {"compiled_shifted": kda.compiled(kda.causal_conv1d_shifted)}
     if fla is not None:
         variants["fla_triton"] = lambda x, w, act: fla(x, w.reshape(C, K), activation="silu", backend="triton")[0]
+    from megatron_k3.model.short_conv_triton import short_conv_triton
+
+    variants["k3_triton"] = short_conv_triton  # K3_SHORT_CONV=triton: no forward recomputed in backward
     res = {"bytes_floor_s": 5 * B * T * C * 2 / 4.3e12,  # fwd: read x, write y; bwd: read x and dy, write dx
            "impl_the_model_runs": kda.short_conv_impl(proj)}
     for name, fn in variants.items():
@@ -234,6 +239,7 @@ def part_short_conv(iters):
     if "fla_triton" in res:  # fwd_bwd_s includes the host's launch time (fla's Python wrappers), kernels_s not
         res["speedup_fwd_bwd"] = res["compiled_shifted"]["fwd_bwd_s"] / res["fla_triton"]["fwd_bwd_s"]
         res["speedup_kernels"] = res["compiled_shifted"]["kernels_s"] / res["fla_triton"]["kernels_s"]
+        res["k3_triton_vs_fla_kernels"] = res["fla_triton"]["kernels_s"] / res["k3_triton"]["kernels_s"]
     return res
 
 

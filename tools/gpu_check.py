@@ -186,9 +186,9 @@ def reference_short_conv():
 
 
 def check_fused(report):
-    """fla's Triton short convolution (what KDA runs on CUDA) and the fast linear CE (what the megatron model
-    runs at TP 1) against fp64 references on the GPU: a strided input as the model passes it, a ragged last
-    CE chunk, ignored targets."""
+    """fla's Triton short convolution (what KDA runs on CUDA), the opt-in ``K3_SHORT_CONV=triton`` kernels and
+    the fast linear CE (what the megatron model runs at TP 1) against fp64 references on the GPU: a strided
+    input as the model passes it, a ragged last CE chunk, ignored targets."""
     from megatron_k3.model import kda
     from megatron_k3.model.k3 import linear_cross_entropy
 
@@ -203,13 +203,16 @@ def check_fused(report):
             yr = kda.causal_conv1d(xr, wr, True)
             yr.backward(dy.double())
         for dt in (torch.float32, torch.bfloat16):
-            x = proj.to(dt)[..., C:2 * C].detach().requires_grad_()
-            w = w0.clone().requires_grad_()
-            impl = kda.short_conv_impl(x)
-            y = kda.causal_conv1d(x, w, True)
-            y.backward(dy.to(dt))
-            conv[f"[{B}, {T}, {C}] {str(dt)[6:]}"] = {"impl": impl, "y": rel(y, yr.detach()),
-                                                      "dx": rel(x.grad, xr.grad), "dw": rel(w.grad, wr.grad)}
+            for form in ("default", "triton"):  # what the model runs; the opt-in K3_SHORT_CONV=triton kernels
+                x = proj.to(dt)[..., C:2 * C].detach().requires_grad_()
+                w = w0.clone().requires_grad_()
+                with patched_env({"K3_SHORT_CONV": "triton"} if form == "triton" else {}):
+                    impl = kda.short_conv_impl(x)
+                    y = kda.causal_conv1d(x, w, True)
+                y.backward(dy.to(dt))
+                key = f"[{B}, {T}, {C}] {str(dt)[6:]}" + (" K3_SHORT_CONV=triton" if form == "triton" else "")
+                conv[key] = {"impl": impl, "y": rel(y, yr.detach()), "dx": rel(x.grad, xr.grad),
+                             "dw": rel(w.grad, wr.grad)}
     report["short_conv_vs_fp64"] = conv
     ce = {}
     for dt in (torch.float32, torch.bfloat16):

@@ -85,9 +85,16 @@ def short_conv_impl(x: torch.Tensor, cache: torch.Tensor | None = None) -> str:
     """Which form ``causal_conv1d`` runs: ``fla`` (flash-linear-attention's Triton kernel, fp32 accumulation,
     SiLU fused, strided input read in place, weight gradient reduced in fp32) for CUDA tensors without a
     ``cache`` when fla is installed, ``compiled`` (``causal_conv1d_shifted`` through torch.compile) for other
-    CUDA training calls, else ``reference``. ``K3_SHORT_CONV=compiled`` keeps CUDA off the fla kernel."""
-    if (x.is_cuda and cache is None and os.environ.get("K3_SHORT_CONV", "fla") == "fla"
-            and _fla_causal_conv1d() is not None):
+    CUDA training calls, else ``reference``. ``K3_SHORT_CONV=compiled`` keeps CUDA off the fla kernel;
+    ``K3_SHORT_CONV=triton`` runs this project's kernels (``short_conv_triton.py``: no forward recomputed in
+    backward; opt-in until measured on a GPU) for CUDA tensors without a cache."""
+    form = os.environ.get("K3_SHORT_CONV", "fla")
+    if x.is_cuda and cache is None and form == "triton":
+        from .short_conv_triton import supported
+
+        if supported(x):
+            return "triton"
+    if x.is_cuda and cache is None and form == "fla" and _fla_causal_conv1d() is not None:
         return "fla"
     return "compiled" if compile_enabled(x) else "reference"
 
@@ -100,6 +107,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, activation: bool = True
     The fast forms (``short_conv_impl``) give the same values up to fp32 summation order.
     """
     impl = short_conv_impl(x, cache)
+    if impl == "triton":
+        from .short_conv_triton import short_conv_triton
+
+        return short_conv_triton(x, weight, activation)
     if impl == "fla":
         C, K = weight.shape[0], weight.shape[-1]
         y, _ = _fla_causal_conv1d()(x, weight.reshape(C, K), activation="silu" if activation else None,
