@@ -19,8 +19,10 @@ snapshot handed on is ``_StaticAlias(h)``: the values of that buffer with ``h``'
 layer's replay then copies nothing for its blocks (k3-mini: 81 of 105 input copies of 64 MiB per
 micro-batch, and 81 static buffers fewer). The buffer keeps its values until ``s_j`` replays again, i.e.
 the next micro-batch's forward, after this one's backward (no pipelining: ``check_cuda_graphs``).
-``K3_GRAPH_SHARED_INPUTS=0`` gives every graph its own block inputs again (the A/B switch). The backward graph returns the gradients of ``h`` and of every block; the layer's parameter
-gradients are added to megatron DDP's ``main_grad`` buffers inside the graph (the grouped experts by
+``K3_GRAPH_SHARED_INPUTS=0`` gives every graph its own block inputs again (the A/B switch).
+
+The backward graph returns the gradients of ``h`` and of every block; the layer's parameter gradients are
+added to megatron DDP's ``main_grad`` buffers inside the graph (the grouped experts by
 ``moe.stacked_main_grad``, every other parameter by ``_AddToMainGrad``; the buffers are persistent, so the
 captured addresses stay valid), which is all DDP's hooks would do without overlapped reduction
 (``runtime.wrap_ddp`` marks the parameters only then; ``grads_in_graph``). The parameters are then not
