@@ -31,3 +31,28 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def root():
     return ROOT
+
+
+INTERPRETER_PRELUDE = """import os, torch
+os.environ["TRITON_INTERPRET"] = "1"
+def rel(a, b):  # relative Frobenius error, in fp64
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+"""
+
+
+@pytest.fixture
+def run_triton_interpreted(root):
+    """``run(code)``: ``code`` in a child Python under Triton's interpreter (``TRITON_INTERPRET=1``: Triton
+    kernels run on CPU tensors), the repository on the path, ``os``, ``torch`` and ``rel(a, b)`` defined; the
+    code must print OK at its end. Skips the test where triton is not installed."""
+    import subprocess
+
+    pytest.importorskip("triton")
+
+    def run(code: str):
+        env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="1")
+        r = subprocess.run([sys.executable, "-c", INTERPRETER_PRELUDE + code], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]
+
+    return run

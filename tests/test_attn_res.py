@@ -179,24 +179,15 @@ def test_compiled_mixer_keeps_compiling_past_eight_candidate_counts():
     assert counters["stats"]["unique_graphs"] >= 20, dict(counters["stats"])
 
 
-def test_triton_kernels_under_interpreter(root):
+def test_triton_kernels_under_interpreter(run_triton_interpreted):
     """The Triton mixer (``attn_res_triton.py``) against the fp64 reference, forward and every gradient
     (candidates, query, norm weight), run by Triton's interpreter on the CPU: column masking (D not a power of
     two), row masking, one to five candidates, backward programs looping over several row blocks. The
     interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest), hence the looser bf16 bound."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    code = r"""
-import os, torch
-os.environ["TRITON_INTERPRET"] = "1"
+    run_triton_interpreted(r"""
 from megatron_k3.model.attn_res import attn_res_impl, attn_res_mix_reference
 from megatron_k3.model.attn_res_triton import attn_res_mix_triton, supported
 torch.manual_seed(0)
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 cases = (((3, 200, 48), 3, torch.float32, 1e-5), ((7, 40), 1, torch.float32, 1e-5),
          ((2, 37, 1024), 4, torch.float32, 1e-5), ((2, 3, 96), 5, torch.bfloat16, 1e-2))
 for shape, N, dt, tol in cases:
@@ -222,7 +213,4 @@ assert not supported([x, x.double()]) and not supported([x, torch.randn(4, 6, 9)
 os.environ["K3_ATTN_RES"] = "triton"
 assert attn_res_impl([x, x]) == "reference"  # CPU tensors: the Triton path is for CUDA
 print("OK")
-"""
-    env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]
+""")

@@ -152,25 +152,16 @@ def test_shifted_conv_and_gates_equal_reference_and_trace():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_short_conv_triton_kernels_under_interpreter(root):
+def test_short_conv_triton_kernels_under_interpreter(run_triton_interpreted):
     """The opt-in short-convolution kernels (``short_conv_triton.py``, ``K3_SHORT_CONV=triton``) against the
     fp64 reference, output and both gradients, run by Triton's interpreter on the CPU: a strided input (the
     q/k/v slice of the fused projection), T and C not multiples of the blocks (row and channel masks, the
     K-1 recomputed rows past the end), SiLU on and off, kernel sizes 4 and 2, bf16 (the interpreter truncates
     fp32 -> bf16, hence the looser bound)."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    code = r"""
-import os, torch
-os.environ["TRITON_INTERPRET"] = "1"
+    run_triton_interpreted(r"""
 from megatron_k3.model.kda import causal_conv1d
 from megatron_k3.model.short_conv_triton import short_conv_triton, supported
 torch.manual_seed(0)
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 for B, T, C, K, dt, act, strided, tol in ((2, 70, 40, 4, torch.float32, True, True, 1e-6),
                                           (1, 5, 130, 4, torch.float32, False, False, 1e-6),
                                           (3, 66, 24, 2, torch.float32, True, False, 1e-6),
@@ -190,7 +181,4 @@ for B, T, C, K, dt, act, strided, tol in ((2, 70, 40, 4, torch.float32, True, Tr
     assert y.dtype == gx.dtype == dt and gw.shape == w.shape and all(e <= tol for e in errs), (B, T, C, K, dt, errs)
 assert not supported(torch.zeros(2, 3)) and not supported(torch.zeros(1, 2, 3, dtype=torch.float64))
 print("OK")
-"""
-    env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]
+""")

@@ -2,10 +2,6 @@
 within bf16 rounding, fp64 gradcheck), saved bytes measured with autograd saved-tensor hooks (1/6 of the
 reference for bf16), constant workspace chunking, recompute, the FFN modules, and the Triton kernels'
 indexing under the Triton interpreter."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -198,12 +194,9 @@ def test_ffn_modules_use_the_op_and_match_reference():
     assert torch.equal(h2.grad, h3.grad)
 
 
-def test_triton_kernels_under_interpreter(root):
+def test_triton_kernels_under_interpreter(run_triton_interpreted):
     """Indexing, strides, masking and algebra of the Triton kernels (interpreter: tanh by formula)."""
-    pytest.importorskip("triton")
-    code = r"""
-import os, torch
-os.environ["TRITON_INTERPRET"] = "1"
+    run_triton_interpreted(r"""
 from megatron_k3.model.situ import situ_glu, situ_backward_chunked
 from megatron_k3.model import situ_triton as T
 torch.manual_seed(0)
@@ -225,9 +218,4 @@ for R, H, dt, tol in ((37, 53, torch.float32, 1e-5), (5, 1030, torch.bfloat16, 1
     situ_backward_chunked(g, u, dy, dg, du, 4.0, 25.0)
     assert close(dx, torch.cat([dg, du], -1), tol), "bwd"
 print("OK")
-"""
-    env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    if r.returncode != 0 and "No module named 'triton'" in r.stderr:
-        pytest.skip("triton not installed")
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+""")

@@ -348,12 +348,12 @@ def check_layer_graphs(cfg, report, B: int = 4):
         opt = build_optimizer(ddp, lr=1e-3, bf16=True)
         captured = capture_layer_graphs(chunks, ddp, B, S) if mode == "graphs" else 0
         losses, grads1 = [], {}
-        real_step = opt.step
 
-        def first_step():  # the first step's accumulated gradients (main_grad), before any update
-            grads1.update({n: p.main_grad.detach().float().cpu().clone() for n, p in chunks[0].named_parameters()
-                           if getattr(p, "main_grad", None) is not None})
-            opt.step = real_step
+        def first_step(model=chunks[0], optimizer=opt, real_step=opt.step, grads=grads1):
+            # the first step's accumulated gradients (main_grad), before any update; later steps as usual
+            grads.update({n: p.main_grad.detach().float().cpu().clone() for n, p in model.named_parameters()
+                          if getattr(p, "main_grad", None) is not None})
+            optimizer.step = real_step
             return real_step()
 
         opt.step = first_step
@@ -365,7 +365,7 @@ def check_layer_graphs(cfg, report, B: int = 4):
         params = {n: p.detach().float().cpu().clone() for n, p in chunks[0].named_parameters()}
         bias = torch.cat([r.expert_bias.detach().float().cpu() for _, r in moe_routers(chunks)])
         runs[mode] = (losses, params, bias, captured, replays, grads1)
-        del chunks, ddp, opt
+        del chunks, ddp, opt, first_step  # first_step holds the model and optimizer in its defaults
         torch.cuda.empty_cache()
 
     def by_layer(err):  # the largest error among each layer's parameters ("other": embedding, head, norms)
