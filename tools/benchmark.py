@@ -549,11 +549,9 @@ def idle_gaps(kernels, ranges, launches=None, top_n: int = 12) -> dict:
     gaps, end, prev, prev_launch = [], ks[0][1], ks[0][2], ks[0][3]
     for a, b, name, launch in ks[1:]:
         if a > end:
-            if launch is None:
-                cause = "unknown"
-            elif launch == prev_launch:
+            if launch is not None and launch == prev_launch:
                 cause = "in_launch"
-            elif launch in launches:
+            elif launch in launches:  # (launches has no None key)
                 cause = "host_late" if launches[launch][0] >= end else "device_wait"
             else:
                 cause = "unknown"

@@ -619,15 +619,13 @@ def main():
     elif args.only == "compiled":
         check_compiled_glue(cfg, report)
     elif args.only == "graphs":
+        from megatron_k3.config import get_preset
+
         B = 4
         if args.graphs_preset == "k3-mini":
-            from megatron_k3.config import get_preset
-
             cfg = get_preset("k3-mini", seq_length=4096)
             report["config"] = "k3-mini, seq 4096, batch 4 (then 2)"
         elif args.graphs_preset == "k3-mini-8":
-            from megatron_k3.config import get_preset
-
             cfg, B = get_preset("k3-mini", seq_length=4096, num_hidden_layers=8, attn_res_block_size=2), 8
             report["config"] = "k3-mini widths, 8 layers, AttnRes block 2, seq 4096, batch 8 (then 4)"
         check_layer_graphs(cfg, report, B)
