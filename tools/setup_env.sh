@@ -28,11 +28,30 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "[setup] creating .venv with $PY"
   "$PY" -m venv .venv
 fi
+# Free space where .venv and pip's temporary files go, in GiB (the dev install is ~7 GiB: torch's wheel pulls
+# its CUDA libraries even on a CPU machine). A full disk otherwise shows up only as pip's "[Errno 28]".
+free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR==2 {printf "%.1f", $4/1048576}'; }
+NEED_GIB=8
 if [[ ! -f "$STAMP" ]]; then
   echo "[setup] installing $REQ into .venv (first time: a few minutes, torch is large)"
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -r "$REQ"
-  .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+  for d in "$ROOT" "${TMPDIR:-/tmp}"; do
+    f="$(free_gib "$d")"
+    if [[ -n "$f" ]] && awk -v f="$f" -v n="$NEED_GIB" 'BEGIN {exit !(f < n)}'; then
+      echo "[setup] warning: $f GiB free under $d; the install needs about $NEED_GIB GiB (.venv ~7 GiB plus pip's" \
+           "temporary files). Free space there or set TMPDIR to a larger disk if pip fails with 'No space left'." >&2
+    fi
+  done
+  pip_install() {
+    .venv/bin/python -m pip install --quiet "$@" || {
+      echo "error: 'pip install $*' failed (above). Free space: $(free_gib "$ROOT") GiB under $ROOT," \
+           "$(free_gib "${TMPDIR:-/tmp}") GiB under ${TMPDIR:-/tmp}; rerun this script after fixing the cause" \
+           "(nothing is marked installed until every step passes)." >&2
+      exit 1
+    }
+  }
+  pip_install --upgrade pip
+  pip_install -r "$REQ"
+  pip_install --no-deps --no-build-isolation -e .
   touch "$STAMP"
 fi
 echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"
