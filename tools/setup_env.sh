@@ -32,9 +32,12 @@ fi
 # its CUDA libraries even on a CPU machine). A full disk otherwise shows up only as pip's "[Errno 28]".
 free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR==2 {printf "%.1f", $4/1048576}'; }
 NEED_GIB=8
+PIP_TMP="${TMPDIR:-/tmp}"
 if [[ ! -f "$STAMP" ]]; then
   echo "[setup] installing $REQ into .venv (first time: a few minutes, torch is large)"
-  for d in "$ROOT" "${TMPDIR:-/tmp}"; do
+  for d in "$ROOT" "$PIP_TMP"; do
+    # one warning per disk: skip the temporary folder when it is on the same file system as the checkout
+    [[ "$d" != "$ROOT" && "$(stat -c %d "$d" 2>/dev/null)" == "$(stat -c %d "$ROOT")" ]] && continue
     f="$(free_gib "$d")"
     if [[ -n "$f" ]] && awk -v f="$f" -v n="$NEED_GIB" 'BEGIN {exit !(f < n)}'; then
       echo "[setup] warning: $f GiB free under $d; the install needs about $NEED_GIB GiB (.venv ~7 GiB plus pip's" \
@@ -44,7 +47,7 @@ if [[ ! -f "$STAMP" ]]; then
   pip_install() {
     .venv/bin/python -m pip install --quiet "$@" || {
       echo "error: 'pip install $*' failed (above). Free space: $(free_gib "$ROOT") GiB under $ROOT," \
-           "$(free_gib "${TMPDIR:-/tmp}") GiB under ${TMPDIR:-/tmp}; rerun this script after fixing the cause" \
+           "$(free_gib "$PIP_TMP") GiB under $PIP_TMP; rerun this script after fixing the cause" \
            "(nothing is marked installed until every step passes)." >&2
       exit 1
     }
