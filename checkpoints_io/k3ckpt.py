@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from megatron_k3.config import ConfigError
+from megatron_k3.megatron.collectives import ReduceOp, all_reduce, all_reduce_host
 from megatron_k3.model import hf_shapes as model_hf_shapes
 
 FORMAT = "megatron-k3/1"
@@ -226,7 +227,7 @@ def optimizer_param_states(opt, params) -> tuple[dict, int]:
                     full[p][n][r.start:r.end] = v.detach().float().view(-1)
             if full:
                 flat = torch.cat([full[p][n] for p in mparams for n in names])
-                dist.all_reduce(flat, group=o.data_parallel_group)
+                all_reduce(flat, group=o.data_parallel_group)
                 off = 0
                 for p in mparams:
                     out[p] = {}
@@ -421,16 +422,13 @@ def _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=True, opt_sta
 # ------------------------------------------------------------------------------------------------------
 # save
 def _all_finite(chunks) -> bool:
-    import torch.distributed as dist
-
     ok = torch.tensor([1], dtype=torch.int32)
     for c in chunks:
         for p in c.parameters():
             if not bool(torch.isfinite(p.data).all()):
                 ok.zero_()
                 break
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+    return bool(all_reduce_host(ok, ReduceOp.MIN).item())
 
 
 def save_checkpoint(root: str, step: int, chunks, opt, cfg, trainer_state: dict, *, tp_rank: int,
@@ -447,9 +445,7 @@ def save_checkpoint(root: str, step: int, chunks, opt, cfg, trainer_state: dict,
     names_all = [None] * dist.get_world_size()
     dist.all_gather_object(names_all, state_names)
     state_names = {k: v for d in names_all for k, v in d.items()}
-    steps_t = torch.tensor([steps], dtype=torch.int64)
-    dist.all_reduce(steps_t, op=dist.ReduceOp.MAX)
-    steps = int(steps_t.item())
+    steps = int(all_reduce_host(torch.tensor([steps], dtype=torch.int64), ReduceOp.MAX).item())
     return _write(root, step, sd, cfg, {"optimizer_states": state_names, "optimizer_steps": steps, **trainer_state},
                   writer=writer, keep_last=keep_last, rng=True)
 

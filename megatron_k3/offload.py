@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+from .megatron.collectives import all_gather_into_tensor, all_reduce
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # fp32 gradient bytes per streamed chunk (8M elements)
 DEFAULT_CPU_BLOCK = 1 << 20     # elements per CPU update block (fp32 working copies of the moments)
@@ -314,7 +314,7 @@ class HostStreamAdamW:
             else:
                 dev = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
                 sq = torch.zeros(1, dtype=torch.float32, device=dev)
-            dist.all_reduce(sq, group=group)
+            all_reduce(sq, group=group)
             norms.append(sq.pow(0.5))  # fp32 on the device, as megatron's get_grad_norm_fp32 (compat item 9)
         if len(norms) == 1:
             return norms[0]
@@ -447,7 +447,7 @@ class HostStreamAdamW:
             if self.distributed:
                 grp = reg.buffer.data_parallel_group
                 full = torch.empty(src.numel() * grp.size(), dtype=torch.float32, device=dev)
-                dist.all_gather_into_tensor(full, src.to(dev), group=grp)
+                all_gather_into_tensor(full, src.to(dev), group=grp)
                 full = full.cpu()
                 base = reg.bucket_offset
                 for p, (s, e, b) in reg.buffer.param_index_map.items():

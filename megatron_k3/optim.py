@@ -29,6 +29,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .megatron.collectives import all_gather
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
@@ -101,7 +103,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if self.tp_size == 1 or not getattr(p, "tensor_model_parallel", False) or getattr(p, "k3_heads", None):
             return D, None
         parts = [torch.empty_like(D) for _ in range(self.tp_size)]
-        dist.all_gather(parts, D.contiguous(), group=self.tp_group)
+        all_gather(parts, D.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=p.partition_dim), p.partition_dim
 
     @torch.no_grad()

@@ -37,6 +37,7 @@ from .cli import UsageError, friendly_errors
 from .config import PRESETS, get_preset, load_config
 from .launch_env import free_port
 from .layout import LayoutError, ParallelLayout
+from .megatron.collectives import all_reduce_host
 
 LAYOUT_KEYS = {"tp", "pp", "ep", "cp", "dp", "vpp", "sp", "distopt"}
 
@@ -182,7 +183,7 @@ def _worker(rank, world, port, tmpdir, cfg_dict, layouts, args_dict):
             if last_stage:
                 sums = torch.tensor([[float(o["lm_sum"])] + [float(s) for s in o["mtp_sums"]] + [float(o["n"])]
                                      for o in out], dtype=torch.float64).sum(0)
-                dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+                sums = all_reduce_host(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
                 losses.append((sums[:-1] / sums[-1]).tolist())
         weight_pieces = []
         for c in chunks:

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import mappings
 
+from .collectives import all_to_all_single
+
 
 @dataclass
 class ParallelCtx:
@@ -67,7 +69,7 @@ def _a2a(x: torch.Tensor, group) -> torch.Tensor:
     """all_to_all over dim 0 (equal chunks): out[r] = chunk this rank receives from rank r."""
     x = x.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(out, x, group=group)
+    all_to_all_single(out, x, group=group)
     return out
 
 

@@ -89,7 +89,7 @@ class VocabParallelCEChunk:
         self.group, self.start = group, start
 
     def __call__(self, logits, targets, ignore_index):
-        import torch.distributed as dist
+        from .collectives import ReduceOp, all_reduce
 
         fn = (lambda f: compiled(f)) if compile_enabled(logits, grad_only=False) else (lambda f: f)
         valid = targets != ignore_index
@@ -97,9 +97,9 @@ class VocabParallelCEChunk:
         inside = valid & (local >= 0) & (local < logits.shape[-1])
         local = local.masked_fill(~inside, 0)
         m = fn(_row_max)(logits)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce(m, ReduceOp.MAX, self.group)
         st = fn(_row_stats)(logits, m, local, inside)
-        dist.all_reduce(st, group=self.group)
+        all_reduce(st, group=self.group)
         lse = m + torch.log(st[0])
         loss = ((lse - st[1]) * valid).sum()
         return loss, fn(_row_grad)(logits, lse, local, inside, valid)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .. import compat
 from ..layout import ParallelLayout
 from ..model.k3 import IGNORE_INDEX
+from .collectives import all_reduce
 
 
 def init_distributed(layout: ParallelLayout, seed: int = 1234) -> torch.device:
@@ -57,39 +58,37 @@ def stage_ranges(cfg, layout: ParallelLayout) -> list[tuple[int, int, bool, bool
 
 
 def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, device=None, recompute: str = "none",
-                       **tconfig_overrides):
-    """This rank's model chunks (one per virtual stage). ``recompute``: "none", "selective" (the token mixers'
-    cores and FFN activations are recomputed in backward) or "full" (whole layers)."""
+                       init_seed: int | None = 0, **tconfig_overrides):
+    """This rank's model chunks (one per virtual stage), built without the rest of the model
+    (``rank_init.py``): parameters on the meta device, then allocated on ``device`` and, with ``init_seed``,
+    given the golden initialisation of that seed (``None``: left uninitialised, for a caller that loads
+    weights). ``device="meta"`` leaves them on the meta device (``simulate``). ``recompute``: "none",
+    "selective" (the token mixers' cores and FFN activations are recomputed in backward) or "full" (whole
+    layers)."""
+    from megatron.core import parallel_state as ps
+
     from .comm import ParallelCtx
     from .model import K3MegatronModel
+    from .rank_init import init_chunks_, materialize_, meta_parameters
     from .tconfig import build_transformer_config
 
     tconfig = build_transformer_config(cfg, layout, params_dtype, **tconfig_overrides)
     ctx = ParallelCtx.from_parallel_state(layout.sequence_parallel)
-    chunks = []
-    for start, end, pre, post, vp in stage_ranges(cfg, layout):
-        m = K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp, recompute=recompute)
-        chunks.append(m.to(device=device or "cpu", dtype=params_dtype))
-    keep_fp32(chunks)
+    with meta_parameters():
+        chunks = [K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp, recompute=recompute)
+                  for start, end, pre, post, vp in stage_ranges(cfg, layout)]
+    device = torch.device(device or "cpu")
+    if device.type == "meta":
+        return chunks, tconfig
+    materialize_(chunks, device, params_dtype)
+    if init_seed is not None:
+        init_chunks_(chunks, cfg, init_seed, ps.get_tensor_model_parallel_rank())
     if tconfig.fp8:  # FP8: the eligible projections run through Transformer Engine (megatron_k3/precision.py)
         from ..precision import use_te_linears
 
         for m in chunks:
             use_te_linears(m)
     return chunks, tconfig
-
-
-def keep_fp32(chunks):
-    """Parameters the spec keeps in fp32 (KDA A_log/dt_bias/convs/o_norm) and the routers' correction bias
-    after a dtype cast. (megatron's router restores its bias to fp32 only at its first forward: a checkpoint
-    loaded before that would be rounded to bf16.)"""
-    for c in chunks:
-        for m in c.modules():
-            for pname in getattr(m, "fp32_params", ()):
-                p = m.get_parameter(pname)
-                p.data = p.data.float()
-            if getattr(m, "expert_bias", None) is not None and m.expert_bias.dtype != torch.float32:
-                m.expert_bias.data = m.expert_bias.data.float()
 
 
 def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False, finalize_grads=None):
@@ -158,7 +157,7 @@ def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_redu
     capture = getattr(config, "k3_capture_counts", None)
     if routers and capture is not None:
         counts = torch.stack([r.local_tokens_per_expert.detach().double() for _, r in routers])
-        dist.all_reduce(counts, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        all_reduce(counts, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
         capture.extend((name, c.cpu()) for (name, _), c in zip(routers, counts))
     finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     qb = [r for _, r in routers if getattr(r, "k3_balancing", None) == "quantile"]
@@ -166,7 +165,7 @@ def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_redu
         from ..balancing import quantile_update
 
         stats = torch.stack([torch.cat([r.k3_qb_sum, r.k3_qb_count.reshape(1)]) for r in qb])
-        dist.all_reduce(stats, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        all_reduce(stats, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
         with torch.no_grad():
             for r, st in zip(qb, stats):
                 if st[-1] > 0:
@@ -187,7 +186,7 @@ def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_redu
                 grads.append(g if g is not None else p.grad)
     if grads:
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+        all_reduce(flat, group=ps.get_tensor_model_parallel_group())
         for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(s)
 
@@ -303,12 +302,12 @@ def make_forward_step(mtp_loss_weight: float = 0.1):
 
 def grad_norm_fp32(chunks) -> float:
     """Global L2 norm of the (finalized) gradients: dense parameters counted once per TP group (replicated
-    ones on TP rank 0) and reduced over TP x PP; expert parameters reduced over EP x PP."""
+    ones on TP rank 0) and reduced over TP x PP; expert parameters reduced over EP x PP. The squares are
+    summed in fp64 on the gradients' device (one host read at the end)."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
+    dense, expert = [], []
     dev = None
     for c in chunks:
         for p in c.parameters():
@@ -317,15 +316,23 @@ def grad_norm_fp32(chunks) -> float:
             if g is None:
                 continue
             dev = g.device
-            sq = g.double().pow(2).sum().cpu()
+            sq = g.double().pow(2).sum()
             if not getattr(p, "allreduce", True):
-                expert += sq
+                expert.append(sq)
             elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                dense += sq
-    dense, expert = dense.to(dev or "cpu"), expert.to(dev or "cpu")
-    dist.all_reduce(dense, group=ps.get_model_parallel_group())
-    dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+                dense.append(sq)
+    dev = dev or compat_device()
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    dense = torch.stack(dense).sum() if dense else zero.clone()
+    expert = torch.stack(expert).sum() if expert else zero.clone()
+    all_reduce(dense, group=ps.get_model_parallel_group())
+    all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
     return float((dense + expert).sqrt())
+
+
+def compat_device() -> torch.device:
+    """This process's compute device (the current CUDA device, else the CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if compat.has_gpu() else torch.device("cpu")
 
 
 def build_muon(chunks, lr: float, weight_decay: float = 0.1, adam_eps: float = 1e-8, beta1: float = 0.9,

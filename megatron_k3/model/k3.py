@@ -109,12 +109,15 @@ class K3DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, only_layers=None):
+        """``only_layers``: build just these decoder layers (the others are empty placeholders, keeping the
+        names): the meta-device skeleton of ``init.GoldenSkeleton``; not a model that can run."""
         super().__init__()
         self.cfg = cfg
         D = cfg.hidden_size
         self.embed_tokens = Embedding(cfg.vocab_size, D, cfg.init_std)
-        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) if only_layers is None or i in only_layers else nn.Module()
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         if cfg.attn_res_block_size is not None:
             self.output_attn_res_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -238,13 +241,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 
 class K3ForCausalLM(nn.Module):
-    """The golden K3 language model. ``init=True`` initialises every parameter from ``seed``."""
+    """The golden K3 language model. ``init=True`` initialises every parameter from ``seed`` (``init.py``).
+    ``only_layers``: see ``K3Model`` (meta skeletons only)."""
 
-    def __init__(self, cfg, init: bool = True, seed: int = 0):
+    def __init__(self, cfg, init: bool = True, seed: int = 0, only_layers=None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.model = K3Model(cfg)
+        self.model = K3Model(cfg, only_layers)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std)
         self.checkpoint_layers = False
         if init and not self.lm_head.weight.is_meta:
@@ -252,12 +256,13 @@ class K3ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------------------------------------
     def init_weights(self, seed: int = 0):
-        """Initialise every parameter and buffer explicitly, in module order, from one seeded generator."""
-        gen = torch.Generator().manual_seed(seed)
-        for m in self.modules():
-            fn = getattr(m, "reset_parameters", None)
-            if fn is not None:
-                fn(gen)
+        """Initialise every parameter and buffer explicitly: each module from its own generator, seeded by
+        ``seed`` and the module's name (``init.py``), so any rank can reproduce one tensor alone."""
+        from .init import init_module_
+
+        for name, m in self.named_modules():
+            if hasattr(m, "reset_parameters"):
+                init_module_(m, name, seed)
         return self
 
     def fp32_parameter_names(self) -> list[str]:
