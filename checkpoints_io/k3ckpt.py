@@ -47,6 +47,7 @@ import torch
 from megatron_k3.config import ConfigError
 from megatron_k3.megatron.collectives import ReduceOp, all_reduce, all_reduce_host
 from megatron_k3.model import hf_shapes as model_hf_shapes
+from megatron_k3.model.init import GoldenSkeleton
 
 FORMAT = "megatron-k3/1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -439,7 +440,7 @@ def save_checkpoint(root: str, step: int, chunks, opt, cfg, trainer_state: dict,
     if not _all_finite(chunks):
         raise CheckpointError(f"refusing to save step {step} to {root}: the weights contain NaN/Inf "
                               "(the previous checkpoint is kept)")
-    hf_shapes = hf_shapes or model_hf_shapes(cfg)
+    hf_shapes = hf_shapes or GoldenSkeleton(cfg).shapes
     sd, pieces, opt_states, steps = _sharded_state(chunks, opt, tp_rank, hf_shapes)
     state_names = {hf: sorted(opt_states[t]) for hf, t, _, _ in pieces if t in opt_states}
     names_all = [None] * dist.get_world_size()
@@ -622,7 +623,7 @@ def load_checkpoint(path, chunks, opt, cfg, *, tp_rank: int, step: int | None = 
     if errs:
         raise CheckpointError(errs[0] + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""))
     check_config(d, meta, cfg)
-    hf_shapes = hf_shapes or model_hf_shapes(cfg)
+    hf_shapes = hf_shapes or GoldenSkeleton(cfg).shapes
     weights_only = bool(meta.get("weights_only"))
     use_opt = load_optim and not weights_only and opt is not None
     sd, pieces, opt_states, _ = _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=use_opt,

@@ -69,7 +69,8 @@ And one on every machine (``use_lean_grad_clipping()``, called by ``setup_device
    coefficient ``min(1, clip / (norm + 1e-6))`` multiplies the gradients on the device. The returned grad norm
    is then a tensor (callers take ``float()`` when they log it). The coefficient rounds in fp32 instead of
    fp64. tests/test_compat.py checks the selection, the absence of host reads in the step, bit-identity with
-   megatron's tensor path and one step against its float path. ``K3_LEAN_CLIP=0`` turns item 9 off (A/B).
+   megatron's tensor path and one step against its float path. ``perf.lean_grad_clip = False`` (``--no-lean-grad-clip``)
+   turns item 9 off (A/B).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ import functools
 import os
 
 import torch
+
+from .perf import current as current_kernels
 
 _CPU_MODE = False
 
@@ -120,10 +123,19 @@ def _is_cuda_device(d) -> bool:
     return isinstance(d, int) and not isinstance(d, bool)
 
 
+_STAND_IN = "cpu"  # the device that plays CUDA in CPU mode ("meta" under ``simulate``: nothing is allocated)
+
+
+def play_cuda_on(device: str) -> None:
+    """CPU mode: let ``device`` ("cpu", or "meta" for ``megatron_k3.simulate``) play the CUDA device."""
+    global _STAND_IN
+    _STAND_IN = device
+
+
 def _map_device_kwargs(kwargs):
     d = kwargs.get("device")
     if d is not None and _is_cuda_device(d):
-        kwargs["device"] = "cpu"
+        kwargs["device"] = _STAND_IN
     if kwargs.get("pin_memory"):
         kwargs["pin_memory"] = False
     return kwargs
@@ -185,7 +197,7 @@ def enable_cpu_mode():
 
     def to(self, *args, **kwargs):
         if args and _is_cuda_device(args[0]):
-            args = ("cpu",) + args[1:]
+            args = (_STAND_IN,) + args[1:]
         return orig_to(self, *args, **_map_device_kwargs(kwargs))
 
     torch.Tensor.to = to
@@ -221,7 +233,7 @@ def enable_cpu_mode():
     def type_(self, *args, **kwargs):
         if args or kwargs:
             return orig_type(self, *args, **kwargs)
-        t = orig_type(self)
+        t = orig_type(self).replace("torch.meta.", "torch.", 1)
         return t.replace("torch.", "torch.cuda.", 1) if not t.startswith("torch.cuda.") else t
 
     torch.Tensor.type = type_
@@ -309,7 +321,7 @@ def fuse_torch_adamw(optimizer, device_types=("cuda",)) -> int:
                     st["step"] = s.to(device=p.device, dtype=torch.float32)
 
         inner.register_step_pre_hook(_steps_to_device)
-        if os.environ.get("K3_LEAN_ADAMW", "1") != "0":
+        if current_kernels().lean_adamw:
             inner.step = LeanFusedAdamWStep(inner)
         n += 1
     return n
@@ -327,7 +339,7 @@ class LeanFusedAdamWStep:
     the ones this path supports (fused, decoupled decay, no amsgrad/maximize/differentiable/capturable, float
     lr, no grad scaler, no step hooks but ``fuse_torch_adamw``'s); otherwise, and for a closure, it runs
     torch's own step (which also creates the state on the first step) and lists again. A checkpoint restore
-    that replaces state tensors therefore falls back for one step. ``K3_LEAN_ADAMW=0`` keeps torch's step."""
+    that replaces state tensors therefore falls back for one step. ``perf.lean_adamw = False`` keeps torch's step."""
 
     def __init__(self, opt):
         self.opt, self.torch_step, self.lists = opt, opt.step, None
@@ -494,12 +506,12 @@ def _static_norm_params(opt, params, grad_norm_group):
 
 
 def use_lean_grad_clipping() -> None:
-    """Apply item 9 (idempotent; ``K3_LEAN_CLIP=0`` leaves megatron's functions as they are)."""
+    """Apply item 9 (idempotent; ``perf.lean_grad_clip = False`` leaves megatron's functions as they are)."""
     import operator
 
     from megatron.core.optimizer import clip_grads, optimizer as mopt
 
-    if getattr(clip_grads, "k3_lean_clipping", False) or os.environ.get("K3_LEAN_CLIP", "1") == "0":
+    if getattr(clip_grads, "k3_lean_clipping", False) or not current_kernels().lean_grad_clip:
         return
     unpatched = {"multi_tensor_scale_tensor_impl": clip_grads.multi_tensor_scale_tensor_impl,
                  "to_local_if_dtensor": clip_grads.to_local_if_dtensor,

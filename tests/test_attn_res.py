@@ -125,7 +125,7 @@ def test_compiled_graph_equals_eager(n_blocks):
 
 
 def test_golden_model_with_compiled_glue_equals_eager(root):
-    """The whole golden model with every compiled glue function switched on (K3_COMPILE=all, aot_eager
+    """The whole golden model with every compiled glue function switched on (perf compile=all, aot_eager
     backend on the CPU: the traced graphs run eagerly) gives the eager model's loss and gradients."""
     import os
     import subprocess
@@ -133,14 +133,15 @@ def test_golden_model_with_compiled_glue_equals_eager(root):
 
     code = r"""
 import os, torch
-from megatron_k3 import get_preset
+from megatron_k3 import get_preset, perf
 from megatron_k3.model import K3ForCausalLM
+perf.configure(compile_backend="aot_eager")
 cfg = get_preset("k3-tiny")
 m = K3ForCausalLM(cfg, seed=0)
 ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
 res = []
-for flag in ("0", "all"):
-    os.environ["K3_COMPILE"] = flag
+for flag in ("off", "all"):
+    perf.configure(compile=flag)
     m.zero_grad(set_to_none=True)
     loss = m(ids[:, :-1], ids[:, 1:])["loss"]
     loss.backward()
@@ -153,7 +154,7 @@ for a, b in zip(res[1][1], res[0][1]):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 print("OK", float(res[0][0]))
 """
-    env = dict(os.environ, PYTHONPATH=root, K3_COMPILE_BACKEND="aot_eager")
+    env = dict(os.environ, PYTHONPATH=root)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
@@ -210,7 +211,8 @@ for shape, N, dt, tol in cases:
 x = torch.randn(4, 6, 8)
 assert not supported([x, x.transpose(0, 1).contiguous().transpose(0, 1)])  # a strided candidate
 assert not supported([x, x.double()]) and not supported([x, torch.randn(4, 6, 9)])
-os.environ["K3_ATTN_RES"] = "triton"
+from megatron_k3 import perf
+assert perf.current().attn_res == "triton"
 assert attn_res_impl([x, x]) == "reference"  # CPU tensors: the Triton path is for CUDA
 print("OK")
 """)

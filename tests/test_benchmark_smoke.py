@@ -6,24 +6,27 @@ import sys
 
 
 def test_benchmark_smoke(root, tmp_path):
-    """Smoke mode with gradient accumulation: a global batch of 2 micro-batches per step for the K3 model and the
-    baselines."""
+    """Smoke mode with gradient accumulation: a global batch of 2 micro-batches per step, timed through the
+    trainer's own loop and through ``Trainer.train_step``; the baselines train on the same micro-batches."""
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, os.path.join(root, "tools", "benchmark.py"), "--smoke", "--global-batch-size",
-                        "4", "--baselines", "seed,seed_compiledconv,gptmodel", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29688", K3_ATTN_RES="triton"))
+                        "4", "--baselines", "seed,seed_compiledconv,gptmodel", "--attn-res-impl", "compiled",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29688"))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(out))
-    # the kernel switches are part of the record and of the command that reruns it (K3_ATTN_RES only
-    # changes what runs on CUDA)
-    assert rep["kernel_env"]["K3_ATTN_RES"] == "triton" and "K3_ATTN_RES=triton python tools/benchmark.py" in rep["command"]
+    # the kernel choices are typed settings: part of the record and of the command that reruns it
+    assert rep["kernels"]["attn_res"] == "compiled" and "--attn-res-impl compiled" in rep["command"]
     assert rep["tokens_per_s"] > 0 and len(rep["step_times_s"]) == 2 and rep["model_flops_per_token"] > 0
     assert rep["num_microbatches"] == 2 and rep["global_batch_size"] == 4 and len(rep["losses"]) == 4
     # tokens per step: 2 micro-batches of 2 x 128
     assert abs(rep["tokens_per_s"] * rep["median_step_s"] - 2 * 2 * 128) < 1e-6
-    # every same-run baseline trained (GPTModel: local spec on CPU; seed_compiledconv's K3_SHORT_CONV only
-    # changes what runs on CUDA)
+    # the trainer's own loop ran the same step first (its losses continue into the harness's: one run)
+    loop = rep["trainer_loop"]
+    assert loop["steps"] == 4 and len(loop["step_time_s"]) == 2 and loop["median_step_s"] > 0
+    assert rep["trainer_loop_vs_train_step"] == loop["median_step_s"] / rep["median_step_s"]
+    assert rep["data"]["windows"] > 0 and rep["data"]["path"].endswith(".zarr")
+    # every same-run baseline trained (GPTModel: local spec on CPU)
     for name in ("seed", "seed_compiledconv", "gptmodel"):
         b = rep["baselines"][name]
         assert "error" not in b, b

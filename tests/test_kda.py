@@ -102,15 +102,15 @@ def test_short_conv_form_choice(monkeypatch):
     reference on the GPU by tools/bench_ops.py --parts short_conv and tools/gpu_check.py --only fused)."""
     from megatron_k3.model.kda import short_conv_impl
 
+    from megatron_k3 import perf
+
     x = torch.zeros(1, 4, 8)
-    monkeypatch.delenv("K3_COMPILE", raising=False)
     assert short_conv_impl(x) == "reference"
-    monkeypatch.setenv("K3_SHORT_CONV", "triton")  # this project's kernels: CUDA tensors only
-    assert short_conv_impl(x) == "reference"
-    monkeypatch.delenv("K3_SHORT_CONV")
-    monkeypatch.setenv("K3_COMPILE", "all")
-    assert short_conv_impl(x) == "compiled"
-    assert short_conv_impl(x, torch.zeros(1, 3, 8)) == "compiled"
+    with perf.using(short_conv="triton"):  # this project's kernels: CUDA tensors only
+        assert short_conv_impl(x) == "reference"
+    with perf.using(compile="all"):
+        assert short_conv_impl(x) == "compiled"
+        assert short_conv_impl(x, torch.zeros(1, 3, 8)) == "compiled"
 
 
 def test_shifted_conv_and_gates_equal_reference_and_trace():
@@ -153,7 +153,7 @@ def test_shifted_conv_and_gates_equal_reference_and_trace():
 
 
 def test_short_conv_triton_kernels_under_interpreter(run_triton_interpreted):
-    """The opt-in short-convolution kernels (``short_conv_triton.py``, ``K3_SHORT_CONV=triton``) against the
+    """The opt-in short-convolution kernels (``short_conv_triton.py``, ``--short-conv-impl triton``) against the
     fp64 reference, output and both gradients, run by Triton's interpreter on the CPU: a strided input (the
     q/k/v slice of the fused projection), T and C not multiples of the blocks (row and channel masks, the
     K-1 recomputed rows past the end), SiLU on and off, kernel sizes 4 and 2, bf16 (the interpreter truncates

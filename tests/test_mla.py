@@ -8,26 +8,29 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron_k3.model.mla import causal_attention, sdpa_backends
 
 
-def test_sdpa_backend_choice(monkeypatch):
-    monkeypatch.delenv("K3_SDPA_BACKEND", raising=False)
+def test_sdpa_backend_choice():
+    from megatron_k3 import perf
+    from megatron_k3.config import ConfigError
+
     assert sdpa_backends(cuda=True) is None
-    assert sdpa_backends(cuda=True, choice="cudnn")[0] == SDPBackend.CUDNN_ATTENTION  # explicit beats the env
-    monkeypatch.setenv("K3_SDPA_BACKEND", "cudnn")
-    order = sdpa_backends(cuda=True)
-    assert order[0] == SDPBackend.CUDNN_ATTENTION and SDPBackend.MATH in order
-    assert sdpa_backends(cuda=False) is None  # CPU keeps torch's order
-    monkeypatch.setenv("K3_SDPA_BACKEND", "cudnn9")
-    with pytest.raises(ValueError, match="K3_SDPA_BACKEND='cudnn9'"):
-        sdpa_backends(cuda=True)
-    with pytest.raises(ValueError, match="expected one of auto, cudnn"):
-        causal_attention(*(torch.zeros(1, 4, 2, 8),) * 3, scale=1.0)
+    assert sdpa_backends(cuda=True, choice="cudnn")[0] == SDPBackend.CUDNN_ATTENTION  # explicit beats the setting
+    with perf.using(sdpa_backend="cudnn"):
+        order = sdpa_backends(cuda=True)
+        assert order[0] == SDPBackend.CUDNN_ATTENTION and SDPBackend.MATH in order
+        assert sdpa_backends(cuda=False) is None  # CPU keeps torch's order
+    with pytest.raises(ValueError, match="sdpa_backend='cudnn9'"):
+        sdpa_backends(cuda=True, choice="cudnn9")
+    with pytest.raises(ConfigError, match="perf.sdpa_backend = 'cudnn9': choose one of auto, cudnn"):
+        perf.configure(sdpa_backend="cudnn9")
 
 
-def test_cudnn_first_order_is_a_valid_priority_list_with_the_same_values(monkeypatch):
-    """The order ``K3_SDPA_BACKEND=cudnn`` gives, applied as ``causal_attention`` applies it on CUDA
+def test_cudnn_first_order_is_a_valid_priority_list_with_the_same_values():
+    """The order ``--sdpa-backend cudnn`` gives, applied as ``causal_attention`` applies it on CUDA
     (``set_priority``), is accepted by this torch and, on CPU, falls through to a kernel with the default's
     values (cuDNN's kernel exists only on CUDA)."""
-    monkeypatch.setenv("K3_SDPA_BACKEND", "cudnn")
+    from megatron_k3 import perf
+
+    perf.configure(sdpa_backend="cudnn")
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 3, 16, 12, generator=g) for _ in range(2))
     v = torch.randn(2, 3, 16, 8, generator=g)
@@ -37,3 +40,4 @@ def test_cudnn_first_order_is_a_valid_priority_list_with_the_same_values(monkeyp
     torch.testing.assert_close(got, want)
     out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.3)
     torch.testing.assert_close(out.transpose(1, 2), want)
+    perf.configure(sdpa_backend="auto")

@@ -64,9 +64,14 @@ def main():
     ap.add_argument("--seq-length", type=int, default=32)
     ap.add_argument("--fused-adamw", action="store_true",
                     help="step the optimizer as on CUDA: torch's fused AdamW (its CPU kernel here) through "
-                         "compat.fuse_torch_adamw (LeanFusedAdamWStep unless K3_LEAN_ADAMW=0)")
+                         "compat.fuse_torch_adamw (LeanFusedAdamWStep unless --no-lean-adamw)")
+    ap.add_argument("--lean-adamw", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --fused-adamw: LeanFusedAdamWStep (default) or torch's own step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from megatron_k3 import perf
+
+    perf.configure(lean_adamw=args.lean_adamw)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29681"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(1)
@@ -121,9 +126,9 @@ def main():
     med = {k: round(1e3 * statistics.median(r.get(k, 0.0) for r in per_step), 2) for k in keys}
     rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": f"cpu ({os.cpu_count()} cores), one thread",
-           **dict(zip(("command", "kernel_env"), command_line("tools/bench_host.py"))),
+           "command": command_line("tools/bench_host.py"),
            "preset_structure": args.preset, "widths": TINY, "dtype": "bfloat16",
-           "optimizer": "torch fused AdamW (CPU kernel), " + ("torch's step" if os.environ.get("K3_LEAN_ADAMW") == "0"
+           "optimizer": "torch fused AdamW (CPU kernel), " + ("torch's step" if not args.lean_adamw
                                                                else "LeanFusedAdamWStep")
            if args.fused_adamw else "megatron's fallback torch AdamW (single-tensor on the CPU)",
            "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length, "steps": args.steps,

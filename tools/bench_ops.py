@@ -10,13 +10,13 @@ Parts (``--parts``, default all):
 - ``attn_res``: the Attention-Residual mixer (``attn_res.attn_res_mix_reference``, torch.compile'd as the
   model runs it) at k3-mini's [4, 4096, 1024] bf16 with N = 2..5 candidates, against the earlier einsum
   form of the same formula (``einsum_mix`` below) and the Triton kernels (``attn_res_triton.py``,
-  ``K3_ATTN_RES=triton``).
+  ``--attn-res-impl triton``).
 - ``ce``: cross-entropy of one [4096, 163840] bf16 logits chunk (the LM head's chunk at k3-mini):
   ``k3.cross_entropy_sum`` compiled against the eager ``F.cross_entropy(logits.float())``.
 
 - ``short_conv``: KDA's depthwise causal conv + SiLU at k3-mini's [8, 4096, 1024] bf16, reading a column
   slice of the fused projection output as the model does: fla's Triton ``causal_conv1d`` (what CUDA runs
-  now) and this project's kernels (``short_conv_triton``, ``K3_SHORT_CONV=triton``: no forward recomputed in
+  now) and this project's kernels (``short_conv_triton``, ``--short-conv-impl triton``: no forward recomputed in
   backward) against ``causal_conv1d_shifted`` compiled (what it ran before), all against the F.conv1d
   reference.
 - ``linear_ce``: the LM head + CE of one micro-batch at k3-mini (32768 tokens, hidden 1024, vocabulary
@@ -223,7 +223,7 @@ def part_short_conv(iters):
         variants["fla_triton"] = lambda x, w, act: fla(x, w.reshape(C, K), activation="silu", backend="triton")[0]
     from megatron_k3.model.short_conv_triton import short_conv_triton
 
-    variants["k3_triton"] = short_conv_triton  # K3_SHORT_CONV=triton: no forward recomputed in backward
+    variants["k3_triton"] = short_conv_triton  # --short-conv-impl triton: no forward recomputed in backward
     res = {"bytes_floor_s": 5 * B * T * C * 2 / 4.3e12,  # fwd: read x, write y; bwd: read x and dy, write dx
            "impl_the_model_runs": kda.short_conv_impl(proj)}
     for name, fn in variants.items():
@@ -282,7 +282,7 @@ def main():
     args = ap.parse_args()
     rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           **dict(zip(("command", "kernel_env"), command_line("tools/bench_ops.py"))),
+           "command": command_line("tools/bench_ops.py"),
            "note": "fwd+bwd device time (CUDA events, median after warm-up)"}
     parts = {"attention": part_attention, "attn_res": part_attn_res, "ce": part_ce, "short_conv": part_short_conv,
              "linear_ce": part_linear_ce}

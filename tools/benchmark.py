@@ -1,30 +1,32 @@
 #!/usr/bin/env python3
-"""Training-throughput benchmark of the megatron K3 model, with a seed-style baseline in the same run.
+"""Training throughput of the K3 trainer's own step, with same-run baselines.
 
-    python tools/benchmark.py --preset k3-mini --bf16 --micro-batch-size 4 --seq-length 4096 --out R.json
-    python tools/benchmark.py ... --global-batch-size 32    # 8 micro-batches of 4 per step (gradient accumulation)
-    python tools/benchmark.py --smoke            # CPU: k3-tiny, a few steps (checks the harness runs)
+    python tools/benchmark.py --preset k3-mini --bf16 --micro-batch-size 8 --global-batch-size 32 \
+        --cuda-graph-impl local --out R.json          # any trainer flag (python -m megatron_k3 train --help)
+    python tools/benchmark.py --smoke                 # CPU: k3-tiny, a few steps (checks the harness runs)
 
-Times full training steps (forward and backward of every micro-batch of the global batch, gradient
-finalisation, AdamW step) after warm-up (synchronised wall clock around each step) and reports the median step
-time, tokens/s, MFU and peak memory. ``--global-batch-size`` (megatron's name; default one micro-batch per rank)
-accumulates gradients over ``global / (micro x ranks)`` micro-batches per step, as a training run does, so the
-optimizer step, the gradient norm and megatron's per-step host work are spread over that many micro-batches;
-every baseline accumulates over the same micro-batches.
+The K3 figure is ``megatron_k3.train.Trainer.train_step``, the step the trainer runs: the harness builds a
+``Trainer`` from the same flags (per-rank init, DDP, optimizer, the data loader, layer graphs), runs the
+trainer's own loop (``Trainer.fit``) for warm-up + steps and records its per-step times
+(``trainer_loop``), then times ``warm-up + steps`` more ``train_step`` calls on the loader's next batches with
+the device synchronised around each, and reports their median step time, tokens/s, MFU and peak memory, and
+``trainer_loop_vs_train_step`` (the loop's median over the harness's). Data: the trainer's (``--data-path``;
+default the embedded corpus). ``--global-batch-size`` (default one micro-batch per rank) accumulates gradients
+over ``global / (micro x DP)`` micro-batches per step, as a training run does; the learning rate is held at
+``--lr`` (constant schedule).
 In the same process it then times the **seed-style baseline** (``--baselines seed``): the golden
 plain-PyTorch ``K3ForCausalLM`` on one device as a careful single-GPU user would run it (bf16 weights, fla
 ``chunk_kda`` on CUDA, grouped-GEMM experts, chunked cross-entropy, fused AdamW, and on CUDA the same
-torch.compile'd element-wise glue as the K3 model: ``K3_COMPILE=0`` runs both eagerly) on the same shapes
-and data, and reports ``speedup_vs_seed`` (``seed_compiledconv``: the same with torch.compile'd short
-convolutions instead of fla's, ``K3_SHORT_CONV=compiled``; hold a target against the faster of the two);
-and megatron-core's own ``GPTModel``
-(``--baselines gptmodel``: MLA + MoE at the same width, depth, heads, experts and vocabulary, TE spec when
-Transformer Engine imports; see ``gptmodel_config``), reported as ``speedup_vs_gptmodel``. On CUDA one extra
-profiled step gives ``breakdown``: device time by kernel kind (GEMM, fla KDA, attention, optimizer,
-elementwise, ...) and the profiled step's wall time (their gap is time the GPU waits for the host). Model FLOPs per token (see
-benchmarks/README.md): 6 x active parameters without the input embedding, plus causal attention scores of
-the MLA layers (3 x 2 x (S/2) x H x (d_qk + d_v)) and the KDA chunked recurrence
-(3 x H x (4 C d + 4 d^2) with chunk C = 64).
+torch.compile'd element-wise glue as the K3 model: ``--compile off`` runs both eagerly) on the same
+micro-batches, and reports ``speedup_vs_seed`` (``seed_compiledconv``: the same with torch.compile'd short
+convolutions instead of fla's; hold a target against the faster of the two); and megatron-core's own
+``GPTModel`` (``--baselines gptmodel``: MLA + MoE at the same width, depth, heads, experts and vocabulary, TE
+spec when Transformer Engine imports; see ``gptmodel_config``), reported as ``speedup_vs_gptmodel``. The
+baselines keep their own loops. On CUDA one extra profiled ``train_step`` gives ``breakdown``: device time by
+kernel kind (GEMM, fla KDA, attention, optimizer, elementwise, ...), the profiled step's wall time and the
+device's idle gaps by host phase. Model FLOPs per token (see benchmarks/README.md): 6 x active parameters
+without the input embedding, plus causal attention scores of the MLA layers (3 x 2 x (S/2) x H x (d_qk + d_v))
+and the KDA chunked recurrence (3 x H x (4 C d + 4 d^2) with chunk C = 64).
 """
 import argparse
 import contextlib
@@ -34,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,181 +55,223 @@ def flops_per_token(cfg, seq_length, active_params):
     return 6 * active_params + attn + kda_f
 
 
+BENCH_DEFAULTS = dict(preset="k3-mini", micro_batch_size=4, seq_length=4096)
+
+
+def build_parser():
+    """The trainer's flags (every section of ``python -m megatron_k3 train --help``) plus the harness's own."""
+    from megatron_k3.train.config import add_arguments
+
+    ap = argparse.ArgumentParser(prog="benchmark", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    b = ap.add_argument_group("benchmark")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed series")
+    b.add_argument("--steps", type=int, default=10, help="timed steps of each series")
+    b.add_argument("--smoke", action="store_true", help="CPU smoke mode: k3-tiny, seq 128, micro-batch 2, 2+2 steps")
+    b.add_argument("--out", default=None)
+    b.add_argument("--profile", default=None, help="also write the profiled step's top ops table here")
+    b.add_argument("--baselines", default="seed,gptmodel",
+                   help="comma list of same-run baselines: seed, seed_compiledconv (the seed with the compiled short "
+                        "convolutions instead of fla's), gptmodel, k3eager (this K3 model again without layer "
+                        "graphs; with --cuda-graph-impl local), or none")
+    b.add_argument("--no-trainer-loop", action="store_true",
+                   help="skip the trainer's own loop (Trainer.fit) before the timed train_step series")
+    b.add_argument("--watchdog", type=float, default=None,
+                   help="after this many seconds print every thread's stack to stderr (where a slow run is)")
+    b.add_argument("--no-te", action="store_true",
+                   help="hide Transformer Engine and apex (megatron then uses its torch fallbacks)")
+    add_arguments(ap)
+    return ap
+
+
+def job_from(ns, world: int):
+    """The trainer's JobConfig for the benchmark: the harness's defaults (k3-mini, 4 x 4096, one micro-batch per
+    rank and step), then the flags; the schedule is held at the peak learning rate (no warmup or decay)."""
+    from megatron_k3.train.config import JobConfig, apply_file
+
+    job = JobConfig()
+    job.model.preset = BENCH_DEFAULTS["preset"]
+    job.train.micro_batch_size = BENCH_DEFAULTS["micro_batch_size"]
+    job.train.seq_length = BENCH_DEFAULTS["seq_length"]
+    job.train.global_batch_size = 0  # below: micro-batch x DP unless given
+    job.optim.lr, job.optim.lr_decay_style, job.optim.lr_warmup_fraction = 1e-4, "constant", 0.0
+    job.logging.wandb_mode = "disabled"
+    job.logging.run_dir = tempfile.mkdtemp(prefix="k3-benchmark-")  # the loop's metrics.jsonl (or --run-dir)
+    given = {k: v for k, v in vars(ns).items() if "." in k}
+    if getattr(ns, "config", None):
+        apply_file(job, ns.config, skip={k.split(".", 1)[1] for k in given})
+    if ns.smoke:
+        job.model.preset, job.train.seq_length, job.train.micro_batch_size = "k3-tiny", 128, 2
+        ns.warmup, ns.steps = 2, 2
+    for k, v in given.items():
+        sname, fname = k.split(".", 1)
+        setattr(getattr(job, sname), fname, v)
+    tp, pp, cp = (job.parallel.tensor_model_parallel_size, job.parallel.pipeline_model_parallel_size,
+                  job.parallel.context_parallel_size)
+    if not job.train.global_batch_size:
+        job.train.global_batch_size = job.train.micro_batch_size * max(1, world // (tp * pp * cp))
+    job.train.train_iters = 2 * (ns.warmup + ns.steps) + 2
+    return job
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="k3-mini")
-    ap.add_argument("--micro-batch-size", type=int, default=4)
-    ap.add_argument("--global-batch-size", type=int, default=None,
-                    help="sequences per optimizer step over all ranks (default: micro-batch x ranks, i.e. one "
-                         "micro-batch per step); must be a multiple of micro-batch x ranks")
-    ap.add_argument("--seq-length", type=int, default=4096)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--bf16", action="store_true")
-    ap.add_argument("--recompute-granularity", default="none")
-    ap.add_argument("--smoke", action="store_true", help="CPU smoke mode: k3-tiny, seq 128, 2+2 steps")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", default=None, help="also profile one extra step; write the top ops table here")
-    ap.add_argument("--baselines", default="seed,gptmodel",
-                    help="comma list of same-run baselines: seed, seed_compiledconv (the seed with "
-                         "K3_SHORT_CONV=compiled: torch.compile'd short convolutions instead of fla's), gptmodel, "
-                         "k3eager (this K3 model again without layer graphs; with --cuda-graph-impl local), or none")
-    ap.add_argument("--fp8-recipe", default=None, choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
-                    help="the K3 model's projections in FP8 (megatron_k3/precision.py); baselines stay bf16")
-    ap.add_argument("--expert-model-parallel-size", type=int, default=1,
-                    help="EP under torchrun (several ranks: data parallel over all of them, experts split EP ways); "
-                         "tokens_per_s is then per GPU (tools/bench_scaling.py compares it with one GPU)")
-    ap.add_argument("--cuda-graph-impl", default="none", choices=["none", "local"],
-                    help="local: the K3 model's decoder layers as CUDA graphs (megatron_k3/megatron/graphs.py)")
-    ap.add_argument("--watchdog", type=float, default=None,
-                    help="after this many seconds print every thread's stack to stderr (where a slow run is)")
-    ap.add_argument("--no-te", action="store_true",
-                    help="hide Transformer Engine and apex (megatron then uses its torch fallbacks)")
-    args = ap.parse_args()
-    if args.watchdog:
+    ns = build_parser().parse_args()
+    if ns.watchdog:
         import faulthandler
 
-        faulthandler.dump_traceback_later(args.watchdog, exit=False)
-    if args.no_te:
+        faulthandler.dump_traceback_later(ns.watchdog, exit=False)
+    if ns.no_te:
         for m in ("transformer_engine", "transformer_engine.pytorch", "apex", "amp_C"):
             sys.modules[m] = None  # import raises ImportError
-    if args.smoke:
-        args.preset, args.seq_length, args.micro_batch_size, args.warmup, args.steps = "k3-tiny", 128, 2, 2, 2
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29677", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         os.environ.setdefault(k, v)  # torchrun sets them for several ranks
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if world > 1 and args.baselines not in ("", "none"):
+    if world > 1 and ns.baselines not in ("", "none"):
         sys.exit("error: the same-run baselines are single-GPU runs: pass --baselines none with several ranks")
-    from megatron_k3.config import get_preset
-    from megatron_k3.layout import ParallelLayout
-    from megatron_k3.megatron.graphs import check_cuda_graphs, use_graph_stream
-    from megatron_k3.megatron.runtime import init_distributed
+    from megatron_k3.cli import friendly_errors
     from megatron_k3.model_info import model_info
-    from megatron_k3.precision import check_fp8_here
+    from megatron_k3.train.trainer import Trainer
 
-    check_fp8_here(args.fp8_recipe, None, args.recompute_granularity)
-    cfg = get_preset(args.preset, seq_length=args.seq_length)
-    layout = ParallelLayout(ep=args.expert_model_parallel_size, dp=world)
-    args.global_batch_size = args.global_batch_size or args.micro_batch_size * world
-    layout.validate(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                    global_batch_size=args.global_batch_size, world_size=world)
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * world)
-    check_cuda_graphs(args.cuda_graph_impl, layout, args.recompute_granularity, args.fp8_recipe, bf16=args.bf16)
-    device = init_distributed(layout, seed=0)
-    use_graph_stream(args.cuda_graph_impl)  # before any model: the eager K3 baseline then runs on it too
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    B, S, M = args.micro_batch_size, args.seq_length, args.num_microbatches
+    job = job_from(ns, world)
+    trainer = friendly_errors(lambda: Trainer(job))()
+    cfg, layout = trainer.cfg, trainer.layout
+    B, S, M = job.train.micro_batch_size, cfg.seq_length, trainer.num_micro
+    k3 = k3_run(trainer, ns, rank, profile_path=ns.profile)
+    device = trainer.device
     cuda = device.type == "cuda"
-    k3 = k3_run(cfg, layout, args, args.cuda_graph_impl, device, dtype, rank, profile_path=args.profile)
-    if args.out and rank == 0:  # the K3 measurement survives a baseline that runs out of time or memory
-        with open(args.out, "w") as f:
+    batches = k3.pop("batches")
+    if ns.out and rank == 0:  # the K3 measurement survives a baseline that runs out of time or memory
+        with open(ns.out, "w") as f:
             json.dump({"partial": True, **k3}, f)
     baselines = {}
-    for name in [b for b in args.baselines.split(",") if b and b != "none"]:
+    dtype = torch.bfloat16 if job.perf.bf16 else torch.float32
+    for name in [b for b in ns.baselines.split(",") if b and b != "none"]:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         progress(f"baseline {name}")
         try:
             if name == "k3eager":  # the same K3 model without layer graphs: what the graphs buy, same run
-                b = k3_run(cfg, layout, args, "none", device, dtype, rank, profile_path=None)
+                import copy
+
+                job2 = copy.deepcopy(job)
+                job2.perf.cuda_graph_impl = "none"
+                b = k3_run(Trainer(job2), ns, rank, profile_path=None, trainer_loop=False, profile=False)
+                b.pop("batches")
                 b["loss_max_abs_diff_vs_k3"] = max(abs(x - y) for x, y in zip(b["losses"], k3["losses"]))
                 baselines[name] = b
             else:
+                from megatron_k3 import perf
+                from megatron_k3.megatron.runtime import init_distributed
+
+                init_distributed(layout, seed=0)  # the baselines' DDP and optimizer need megatron's state
                 fn = {"seed": seed_baseline, "seed_compiledconv": seed_baseline, "gptmodel": gptmodel_baseline}[name]
-                env = {"K3_SHORT_CONV": "compiled"} if name == "seed_compiledconv" else {}
-                with patched_env(env):
-                    baselines[name] = fn(cfg, B, S, M, device, dtype, args.warmup, args.steps)
+                change = {"short_conv": "compiled"} if name == "seed_compiledconv" else {}
+                with perf.using(**change):
+                    baselines[name] = fn(cfg, B, S, M, device, dtype, batches, ns.warmup)
+                from megatron.core import parallel_state as ps
+
+                ps.destroy_model_parallel()
         except Exception as e:  # noqa: BLE001  (report, do not lose the K3 measurement)
             import traceback
 
             baselines[name] = {"error": f"{type(e).__name__}: {e}"[:500],
                                "where": traceback.format_exc().splitlines()[-6:]}
-        if args.out:
-            with open(args.out + ".partial", "w") as f:
+        if ns.out:
+            with open(ns.out + ".partial", "w") as f:
                 json.dump(baselines, f)
     info = model_info(cfg)
     med = k3["median_step_s"]
     tps = M * B * S / med
     fpt = flops_per_token(cfg, S, info["active_params"])
     launcher = ["torchrun", "--nproc-per-node", str(world)] if world > 1 else None
-    command, knobs = command_line("tools/benchmark.py", launcher)
     rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "command": command,
-        "kernel_env": knobs,  # the K3_* kernel switches this run had (README, "kernel knobs")
+        "command": command_line("tools/benchmark.py", launcher),
+        "kernels": k3.pop("kernels"),  # the perf section's kernel choices this run had
         "preset": cfg.name, "params_total": info["total_params"], "params_active_no_embed": info["active_params"],
-        "micro_batch_size": B, "global_batch_size": args.global_batch_size, "num_microbatches": M, "seq_length": S,
-        "dtype": str(dtype).replace("torch.", ""),
+        "micro_batch_size": B, "global_batch_size": job.train.global_batch_size, "num_microbatches": M,
+        "seq_length": S, "dtype": str(dtype).replace("torch.", ""),
         "world_size": world, "layout": layout.describe(), "tokens_per_s_all_gpus": world * tps,
-        "recompute": args.recompute_granularity, "fp8_recipe": args.fp8_recipe, "build_and_init_s": k3["build_and_init_s"],
-        "cuda_graph_impl": args.cuda_graph_impl, "graph_capture_s": k3["graph_capture_s"],
-        "layer_graph_replays": k3["layer_graph_replays"], "graph_error": k3["graph_error"],
+        "recompute": job.perf.recompute_granularity, "fp8_recipe": job.perf.fp8_recipe,
+        "build_and_init_s": k3["build_and_init_s"], "cuda_graph_impl": job.perf.cuda_graph_impl,
+        "graph_capture_s": k3["graph_capture_s"], "layer_graph_replays": k3["layer_graph_replays"],
+        "data": k3["data"],
         "step_times_s": k3["step_times_s"], "median_step_s": med, "tokens_per_s": tps,  # per GPU
+        "trainer_loop": k3["trainer_loop"],
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3["peak_memory_gib"], "losses": k3["losses"], "breakdown": k3["breakdown"],
-        "baselines": baselines,
-        "transformer_engine": have_te(), "compiled_glue": cuda and os.environ.get("K3_COMPILE", "1") != "0",
+        "baselines": baselines, "transformer_engine": have_te(),
     }
+    if k3["trainer_loop"]:
+        rep["trainer_loop_vs_train_step"] = k3["trainer_loop"]["median_step_s"] / med
     for name, b in baselines.items():
         if "median_step_s" in b:
             b["tokens_per_s"] = M * B * S / b["median_step_s"]
             b["mfu_vs_989_tflops"] = b["tokens_per_s"] * fpt / H200_BF16_DENSE if cuda else None
             rep[f"speedup_vs_{name}"] = b["median_step_s"] / med
     if rank == 0:
-        write_report(rep, args.out)
-    from megatron_k3.megatron.runtime import destroy
+        write_report(rep, ns.out)
+    import torch.distributed as dist
 
-    destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile_path=None) -> dict:
-    """Build the megatron K3 model (golden init), optionally capture its layers as CUDA graphs, train
-    ``args.warmup + args.steps`` steps of ``args.num_microbatches`` micro-batches of ``args.micro_batch_size`` x
-    ``args.seq_length`` tokens and, on CUDA, one profiled step. Returns the measurement; the model is freed on
-    return so a baseline can follow in the same process."""
-    from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.graphs import capture_layer_graphs, layer_graph_replays, release_layer_graphs
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
-                                              make_forward_step, wrap_ddp)
-    from megatron_k3.model import K3ForCausalLM
-    from megatron_k3.precision import resolve
+def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True, profile: bool = True) -> dict:
+    """Set up ``trainer`` (the K3 model as the trainer builds it: per-rank init, DDP, optimizer, data, layer
+    graphs), then time it two ways in this process, both through ``Trainer.train_step``:
+    1. ``trainer_loop``: the trainer's own loop (``Trainer.fit``: data, step, metrics, logging) for
+       ``warmup + steps`` steps, its per-step wall times (``step_time_s`` of metrics.jsonl) after the warm-up;
+    2. the harness: ``warmup + steps`` more steps on the loader's next batches, the device synchronised
+       around each ``train_step`` call; the median of these is the figure (``median_step_s``).
+    On CUDA one more profiled step gives the breakdown. The model is released on return (the process group
+    stays for the baselines); returns the measurement and the harness's micro-batches (for the baselines)."""
+    from megatron_k3 import perf
+    from megatron_k3.megatron.graphs import layer_graph_replays
 
-    cuda = device.type == "cuda"
-    B, S, M = args.micro_batch_size, args.seq_length, args.num_microbatches
     t0 = time.time()
-    chunks, tconfig = build_model_chunks(cfg, layout, params_dtype=dtype, device=device,
-                                         recompute=args.recompute_granularity, **resolve(args.fp8_recipe, None))
-    adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
+    trainer.setup()
     build_s = time.time() - t0
-    ddp = wrap_ddp(chunks, tconfig)
-    opt = build_optimizer(ddp, lr=1e-4, bf16=args.bf16)
-    progress(f"K3 model built and initialised in {build_s:.1f} s (layer graphs: {graph_impl})")
-    capture_s = graph_error = None
-    if graph_impl == "local":
-        t1 = time.time()
-        try:
-            n = capture_layer_graphs(chunks, ddp, B, S)
-            capture_s = time.time() - t1
-            progress(f"captured CUDA graphs of {n} layers in {capture_s:.1f} s")
-        except Exception as e:  # noqa: BLE001  (report it and time the eager model: the call is not wasted)
-            import traceback
-
-            graph_error = {"error": f"{type(e).__name__}: {e}"[:800], "where": traceback.format_exc().splitlines()[-12:]}
-            progress(f"capture failed, timing the eager model instead: {graph_error['error']}")
-    train_step = megatron_step(ddp, opt, make_forward_step(), B, S)
-    times, outs, batch = time_steps(train_step, random_batches(cfg.vocab_size, B, S, M, args.warmup + args.steps,
-                                                               seed=rank), device, args.warmup)
-    losses = [float(sum(d["lm_sum"] for d in o) / sum(d["n"] for d in o)) for o in outs if o]
+    device = trainer.device
+    cuda = device.type == "cuda"
+    progress(f"K3 trainer set up in {build_s:.1f} s (model build and init {trainer.build_s:.1f} s, layer graphs: "
+             f"{trainer.job.perf.cuda_graph_impl})")
+    loop = None
+    if trainer_loop and not ns.no_trainer_loop:
+        recs = trainer.fit(max_steps=ns.warmup + ns.steps)
+        if recs:
+            st = [r["step_time_s"] for r in recs[ns.warmup:]]
+            loop = {"steps": len(recs), "step_time_s": st, "median_step_s": statistics.median(st),
+                    "losses": [r["loss"] for r in recs], "what": "Trainer.fit: per-step wall time of the loop "
+                                                                "(data, train_step, metrics, logging)"}
+            progress(f"trainer loop: median {loop['median_step_s']:.3f} s over {len(st)} steps")
+    lr = trainer.lr_at(0)
+    times, losses, batches = [], [], []
+    for i in range(ns.warmup + ns.steps):
+        micro = trainer.loader.next_step()
+        batches.append([(m["tokens"], m["labels"]) for m in micro])
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        res = trainer.train_step(micro, lr)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t1
+        losses.append(res.loss)
+        if i >= ns.warmup:
+            times.append(dt)
+        progress(f"step {i}{' (warm-up)' if i < ns.warmup else ''}: {dt:.3f} s  loss {res.loss:.4f}")
     breakdown = None
-    if profile_path or cuda:  # one extra, profiled step: where the device time goes
-        from torch.profiler import ProfilerActivity, profile
+    if profile and (profile_path or cuda):  # one extra, profiled step: where the device time goes
+        from torch.profiler import ProfilerActivity, profile as torch_profile
 
+        micro = trainer.loader.next_step()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts, record_shapes=cuda) as prof:
+        with torch_profile(activities=acts, record_shapes=cuda) as prof:
             t1 = time.perf_counter()
-            train_step(batch)
+            trainer.train_step(micro, lr)
             if cuda:
                 torch.cuda.synchronize()
             prof_wall = time.perf_counter() - t1
@@ -237,14 +282,17 @@ def k3_run(cfg, layout, args, graph_impl: str, device, dtype, rank: int, profile
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             with open(profile_path, "w") as f:
                 f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60))
-    replays = layer_graph_replays(chunks)
+    replays = layer_graph_replays(trainer.chunks)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
-    release_layer_graphs(chunks)
-    del opt, ddp, chunks, train_step, outs
+    out = {"build_and_init_s": build_s, "graph_capture_s": trainer.graph_capture_s,
+           "layer_graph_replays": replays, "step_times_s": times, "median_step_s": statistics.median(times),
+           "losses": losses, "peak_memory_gib": peak, "breakdown": breakdown, "trainer_loop": loop,
+           "kernels": vars(perf.current()), "batches": batches,
+           "data": {"path": trainer.job.data.data_path, "windows": trainer.loader.num_windows}}
+    trainer.close(destroy_process_group=False)
+    del trainer
     gc.collect()  # the graphs' private pools and the model's cycles, before a baseline allocates
-    return {"build_and_init_s": build_s, "graph_capture_s": capture_s, "graph_error": graph_error,
-            "layer_graph_replays": replays, "step_times_s": times, "median_step_s": statistics.median(times),
-            "losses": losses, "peak_memory_gib": peak, "breakdown": breakdown}
+    return out
 
 
 def progress(msg: str):
@@ -303,11 +351,9 @@ def time_steps(step, batches, device, warmup: int):
     return times, outs, batch
 
 
-def command_line(script: str, launcher: list[str] | None = None) -> tuple[str, dict]:
-    """The command that reruns this process (its ``K3_*`` switches, the launcher, ``script`` and its arguments)
-    and those switches as a dict, for a report's ``command`` and ``kernel_env``."""
-    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("K3_")}
-    return " ".join([f"{k}={v}" for k, v in knobs.items()] + (launcher or ["python"]) + [script] + sys.argv[1:]), knobs
+def command_line(script: str, launcher: list[str] | None = None) -> str:
+    """The command that reruns this process (the launcher, ``script`` and its arguments)."""
+    return " ".join((launcher or ["python"]) + [script] + sys.argv[1:])
 
 
 def write_report(rep: dict, out: str | None):
@@ -421,26 +467,26 @@ class SDPACoreAttention(torch.nn.Module):
         return o.permute(2, 0, 1, 3).reshape(S, B, -1)
 
 
-def gptmodel_baseline(cfg, B, S, M, device, dtype, warmup, steps):
+def gptmodel_baseline(cfg, B, S, M, device, dtype, batches, warmup):
     """megatron-core ``GPTModel`` of the same shape, trained through the same DDP, optimizer and schedule
     as the K3 model (see ``gptmodel_config``): with its fusions on when TE is there; if that build or run
     fails, without them (the error is kept in the result)."""
     fused = have_te() and device.type == "cuda"
     if fused:
         try:
-            return _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions=True)
+            return _gptmodel_run(cfg, B, S, M, device, dtype, batches, warmup, fusions=True)
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"[:400]
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            rec = _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions=False)
+            rec = _gptmodel_run(cfg, B, S, M, device, dtype, batches, warmup, fusions=False)
             rec["fusions_error"] = err
             return rec
-    return _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions=False)
+    return _gptmodel_run(cfg, B, S, M, device, dtype, batches, warmup, fusions=False)
 
 
-def _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions: bool):
+def _gptmodel_run(cfg, B, S, M, device, dtype, batches, warmup, fusions: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -472,8 +518,7 @@ def _gptmodel_run(cfg, B, S, M, device, dtype, warmup, steps, fusions: bool):
         out = m(b["tokens"], pos, None, labels=b["labels"])
         return out, lambda o: (o.float().mean(), {})
 
-    times, _, _ = time_steps(megatron_step(ddp, opt, fwd, B, S),
-                             random_batches(cfg.vocab_size, B, S, M, warmup + steps), device, warmup)
+    times, _, _ = time_steps(megatron_step(ddp, opt, fwd, B, S), batches, device, warmup)
     return {"what": f"megatron-core GPTModel, {'TE spec, grouped-GEMM experts, latent MoE' if te else 'local spec (no TE)'}"
                     f", MLA (RoPE) + SwiGLU, same width/depth/heads/experts/vocab, same DDP + optimizer, "
                     "megatron's finalize_model_grads",
@@ -627,9 +672,9 @@ def kernel_device_us(e) -> float:
     return _self_device_us(e) if is_device_kernel(e, e.key) else 0.0
 
 
-def seed_baseline(cfg, B, S, M, device, dtype, warmup, steps):
+def seed_baseline(cfg, B, S, M, device, dtype, batches, warmup):
     """The golden model trained the way a careful single-GPU user would (see the module docstring), accumulating
-    the gradients of ``M`` micro-batches per step."""
+    the gradients of ``M`` micro-batches per step, on the K3 run's ``batches``."""
     from megatron_k3.model import K3ForCausalLM
 
     model = K3ForCausalLM(cfg, seed=0)
@@ -645,8 +690,10 @@ def seed_baseline(cfg, B, S, M, device, dtype, warmup, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, _, _ = time_steps(step, random_batches(cfg.vocab_size, B, S, M, warmup + steps), device, warmup)
-    glue = "compiled glue (AttnRes, norms, gates, short convs)" if os.environ.get("K3_COMPILE", "1") != "0" else "eager"
+    times, _, _ = time_steps(step, batches, device, warmup)
+    from megatron_k3 import perf
+
+    glue = "compiled glue (AttnRes, norms, gates, short convs)" if perf.current().compile != "off" else "eager"
     return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
                     f"fused AdamW, {glue}", "step_times_s": times, "median_step_s": statistics.median(times),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}

@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from benchmark import command_line, patched_env, write_report  # noqa: E402
+from benchmark import command_line, write_report  # noqa: E402
+
+from megatron_k3 import perf  # noqa: E402
 
 
 def rel(a, b):
@@ -177,16 +179,16 @@ def check_grouped_experts(report):
 @contextlib.contextmanager
 def reference_short_conv():
     """Inside: ``kda.causal_conv1d`` runs its F.conv1d reference on CUDA too (neither fla nor compiled);
-    the two variables are restored on exit."""
+    the kernel settings are restored on exit."""
     from megatron_k3.model import kda
 
-    with patched_env({"K3_SHORT_CONV": "off", "K3_COMPILE": "0"}):
+    with perf.using(short_conv="compiled", compile="off"):
         assert kda.short_conv_impl(torch.zeros(1, 1, 1, device="cuda")) == "reference"
         yield
 
 
 def check_fused(report):
-    """fla's Triton short convolution (what KDA runs on CUDA), the opt-in ``K3_SHORT_CONV=triton`` kernels and
+    """fla's Triton short convolution (what KDA runs on CUDA), the opt-in ``--short-conv-impl triton`` kernels and
     the fast linear CE (what the megatron model runs at TP 1) against fp64 references on the GPU: a strided
     input as the model passes it, a ragged last CE chunk, ignored targets."""
     from megatron_k3.model import kda
@@ -203,14 +205,14 @@ def check_fused(report):
             yr = kda.causal_conv1d(xr, wr, True)
             yr.backward(dy.double())
         for dt in (torch.float32, torch.bfloat16):
-            for form in ("default", "triton"):  # what the model runs; the opt-in K3_SHORT_CONV=triton kernels
+            for form in ("default", "triton"):  # what the model runs; the opt-in --short-conv-impl triton kernels
                 x = proj.to(dt)[..., C:2 * C].detach().requires_grad_()
                 w = w0.clone().requires_grad_()
-                with patched_env({"K3_SHORT_CONV": "triton"} if form == "triton" else {}):
+                with perf.using(**({"short_conv": "triton"} if form == "triton" else {})):
                     impl = kda.short_conv_impl(x)
                     y = kda.causal_conv1d(x, w, True)
                 y.backward(dy.to(dt))
-                key = f"[{B}, {T}, {C}] {str(dt)[6:]}" + (" K3_SHORT_CONV=triton" if form == "triton" else "")
+                key = f"[{B}, {T}, {C}] {str(dt)[6:]}" + (" short_conv=triton" if form == "triton" else "")
                 conv[key] = {"impl": impl, "y": rel(y, yr.detach()), "dx": rel(x.grad, xr.grad),
                              "dw": rel(w.grad, wr.grad)}
     report["short_conv_vs_fp64"] = conv
@@ -269,7 +271,7 @@ def check_fallbacks(report):
 
 def check_compiled_glue(cfg, report):
     """The golden model on CUDA with its compiled glue (inductor: AttnRes, norms, gates, short convs) vs the
-    same model eager (K3_COMPILE=0): loss and gradients, fp32 and bf16."""
+    same model eager (--compile off): loss and gradients, fp32 and bf16."""
     from megatron_k3.model import K3ForCausalLM
 
     out = {}
@@ -280,13 +282,13 @@ def check_compiled_glue(cfg, report):
         m.cuda()
         ids = torch.randint(0, cfg.vocab_size, (2, 257), generator=torch.Generator().manual_seed(1)).cuda()
         res = []
-        for flag in ("0", "1"):
-            os.environ["K3_COMPILE"] = flag
+        for flag in ("off", "auto"):
+            perf.configure(compile=flag)
             m.zero_grad(set_to_none=True)
             loss = m(ids[:, :-1], ids[:, 1:])["loss"]
             loss.backward()
             res.append((loss.detach().double(), [p.grad.detach().double().clone() for p in m.parameters() if p.grad is not None]))
-        os.environ.pop("K3_COMPILE")
+        perf.configure(compile="auto")
         out[str(dt).replace("torch.", "")] = {
             "loss_eager": float(res[0][0]), "loss_compiled": float(res[1][0]),
             "grad_rel_max": max(rel(a, b) for a, b in zip(res[1][1], res[0][1]))}
@@ -448,7 +450,7 @@ def sdpa_probe(mode: str) -> dict:
     ``te-first`` (Transformer Engine imported before torch touches cuDNN, as in the megatron model:
     megatron-core imports TE at import time) or ``preload-te-first`` (torch's own cuDNN libraries loaded
     first, ``preload_torch_cudnn``, then TE). Reports the cuDNN version torch sees, the libcudnn files mapped
-    into the process, the fwd+bwd time of the default choice, of the order ``K3_SDPA_BACKEND=cudnn`` sets
+    into the process, the fwd+bwd time of the default choice, of the order ``--sdpa-backend cudnn`` sets
     (``megatron_k3.model.mla.sdpa_backends``) and of each backend forced alone, the reason torch gives when
     one refuses, and how far cuDNN's output and gradients are from the memory-efficient kernel's
     (``vs_efficient``, relative Frobenius errors as everywhere in this report)."""
@@ -523,7 +525,7 @@ def sdpa_probe(mode: str) -> dict:
         out[name] = timed([be])
     from megatron_k3.model.mla import sdpa_backends
 
-    # the list K3_SDPA_BACKEND=cudnn gives, with set_priority, as causal_attention uses it
+    # the list --sdpa-backend cudnn gives, with set_priority, as causal_attention uses it
     out["k3_sdpa_backend_cudnn"] = timed(sdpa_backends(cuda=True, choice="cudnn"))
 
     def result(backends):
@@ -607,7 +609,7 @@ def main():
     report = Report(args.out, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     device=torch.cuda.get_device_name(0), torch=torch.__version__,
                     config="k3-tiny widened: hidden 256, KDA 4x64, MLA 4 heads, 8 layers, seq 256, batch 4")
-    report["command"], report["kernel_env"] = command_line("tools/gpu_check.py")
+    report["command"], report["kernels"] = command_line("tools/gpu_check.py"), vars(perf.current())
     try:
         import fla
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import mappings
 

@@ -19,14 +19,14 @@ snapshot handed on is ``_StaticAlias(h)``: the values of that buffer with ``h``'
 layer's replay then copies nothing for its blocks (k3-mini: 81 of 105 input copies of 64 MiB per
 micro-batch, and 81 static buffers fewer). The buffer keeps its values until ``s_j`` replays again, i.e.
 the next micro-batch's forward, after this one's backward (no pipelining: ``check_cuda_graphs``).
-``K3_GRAPH_SHARED_INPUTS=0`` gives every graph its own block inputs again (the A/B switch).
+``perf.graph_shared_inputs = False`` gives every graph its own block inputs again (the A/B switch).
 
 The backward graph returns the gradients of ``h`` and of every block; the layer's parameter gradients are
 added to megatron DDP's ``main_grad`` buffers inside the graph (the grouped experts by
 ``moe.stacked_main_grad``, every other parameter by ``_AddToMainGrad``; the buffers are persistent, so the
 captured addresses stay valid), which is all DDP's hooks would do without overlapped reduction
 (``runtime.wrap_ddp`` marks the parameters only then; ``grads_in_graph``). The parameters are then not
-inputs of the graph at all (``_SunkLayerBody``); otherwise (or with ``K3_GRAPH_MAIN_GRAD=0``) the graph
+inputs of the graph at all (``_SunkLayerBody``); otherwise (or with ``perf.graph_main_grad = False``) the graph
 returns their gradients too and they go through ``AccumulateGrad`` and the hooks as usual.
 
 Conditions, checked up front by ``check_cuda_graphs`` (a clear error instead of a wrong replay):
@@ -59,12 +59,11 @@ stream the same wait is a legal fork of the capture that autograd joins back at 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..perf import current as current_kernels
 
 IMPLS = ("none", "local")
 
@@ -148,8 +147,8 @@ class _StaticAlias(torch.autograd.Function):
 
 def shared_static_inputs() -> bool:
     """Whether later layers' graphs read the AttnRes snapshots from the snapshot layers' static inputs (module
-    docstring, "Shared static inputs"); ``K3_GRAPH_SHARED_INPUTS=0``: every graph copies its own."""
-    return os.environ.get("K3_GRAPH_SHARED_INPUTS", "1") != "0"
+    docstring, "Shared static inputs"); ``perf.graph_shared_inputs = False``: every graph copies its own."""
+    return current_kernels().graph_shared_inputs
 
 
 def main_grad_params(layer) -> dict[str, torch.Tensor]:
@@ -164,8 +163,8 @@ def main_grad_params(layer) -> dict[str, torch.Tensor]:
 def grads_in_graph(layer) -> bool:
     """Whether every trainable parameter of ``layer`` gets its gradient added to ``main_grad`` inside the
     layer's graph (``main_grad_params`` or the experts' fused adds), so the graph needs no parameter
-    gradient outputs. ``K3_GRAPH_MAIN_GRAD=0`` turns this off (parameter gradients leave the graph)."""
-    if os.environ.get("K3_GRAPH_MAIN_GRAD", "1") == "0":
+    gradient outputs. ``perf.graph_main_grad = False`` turns this off (parameter gradients leave the graph)."""
+    if not current_kernels().graph_main_grad:
         return False
     sunk = main_grad_params(layer)
     return bool(sunk) and all(p is sunk.get(n) or getattr(p, "k3_fuse_wgrad", False)

@@ -56,12 +56,13 @@ def fp32_parameter_ids(chunks) -> set[int]:
 
 def materialize_(chunks, device, dtype: torch.dtype) -> None:
     """Allocate every meta parameter on ``device`` (``dtype``, fp32 for the spec's fp32 parameters) in place,
-    keeping the Parameter objects; move and cast buffers as ``Module.to(device, dtype)`` would."""
+    keeping the Parameter objects; move and cast buffers as ``Module.to(device, dtype)`` would. With
+    ``device`` "meta" nothing is allocated: the parameters only get their dtypes."""
     keep32 = fp32_parameter_ids(chunks)
     for c in chunks:
         for m in c.modules():
             for k, p in m._parameters.items():
-                if p is None or p.device.type != "meta":
+                if p is None or (p.device.type != "meta" and p.device == device):
                     continue
                 real = nn.Parameter(torch.empty(p.shape, dtype=torch.float32 if id(p) in keep32 else dtype,
                                                 device=device), requires_grad=p.requires_grad)

@@ -78,10 +78,8 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
         chunks = [K3MegatronModel(cfg, tconfig, ctx, start, end, pre, post, vp_stage=vp, recompute=recompute)
                   for start, end, pre, post, vp in stage_ranges(cfg, layout)]
     device = torch.device(device or "cpu")
-    if device.type == "meta":
-        return chunks, tconfig
-    materialize_(chunks, device, params_dtype)
-    if init_seed is not None:
+    materialize_(chunks, device, params_dtype)  # on "meta": only the dtypes change (simulate)
+    if init_seed is not None and device.type != "meta":
         init_chunks_(chunks, cfg, init_seed, ps.get_tensor_model_parallel_rank())
     if tconfig.fp8:  # FP8: the eligible projections run through Transformer Engine (megatron_k3/precision.py)
         from ..precision import use_te_linears

@@ -25,11 +25,10 @@ mean ``(emb + sum_outputs) / 2``. ``w (.) gamma`` is never cached here, so a wei
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from ..perf import current as current_kernels
 from .common import acc_dtype, compile_enabled, fast
 
 
@@ -38,9 +37,9 @@ def attn_res_impl(cands: list[torch.Tensor]) -> str:
     over the candidates in place, no stacked copy) for CUDA tensors when the kernels take them (same shape
     and dtype, contiguous), the default since measured on the H200 (2026-12-03: 1.2-1.3x the compiled form's
     kernel time, the same error against fp64; the k3-mini step 2.4% faster with 9 GiB less peak memory,
-    benchmarks/README.md); ``K3_ATTN_RES=compiled`` opts out; else the reference, torch.compile'd on CUDA
+    benchmarks/README.md); ``perf.attn_res = compiled`` opts out; else the reference, torch.compile'd on CUDA
     (``compiled``) or eager (``reference``)."""
-    if cands[0].is_cuda and os.environ.get("K3_ATTN_RES", "triton") == "triton":
+    if cands[0].is_cuda and current_kernels().attn_res == "triton":
         from .attn_res_triton import supported
 
         if supported(cands):

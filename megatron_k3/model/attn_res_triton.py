@@ -1,5 +1,5 @@
 r"""Triton kernels of the Attention-Residual mixer (``attn_res.py``; used for CUDA tensors when
-the kernels take them, the default since measured on the H200; ``K3_ATTN_RES=compiled`` opts out:
+the kernels take them, the default since measured on the H200; ``perf.attn_res = compiled`` opts out:
 benchmarks/README.md).
 
 Same equations as ``attn_res_mix_reference``, computed in fp32 registers, candidates V_0..V_{N-1} read in place

@@ -10,11 +10,12 @@ with a ``torch.Generator`` so a seed fully determines the weights.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..perf import current as current_kernels
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -25,9 +26,9 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------------------
 # Fast GPU path of the element-wise glue: the same plain-PyTorch functions, compiled by torch.compile
 # (inductor: one or two fused kernels per function instead of a dozen launches and fp32 round trips through
-# memory). ``K3_COMPILE``: "1" (default) compiles for CUDA tensors with autograd on, "0" never, "all" always
-# and on every device (tests);
-# ``K3_COMPILE_BACKEND`` picks the backend (default inductor). CPU runs the reference eagerly by default.
+# memory). ``perf.current().compile``: "auto" (default) compiles for CUDA tensors with autograd on, "off" never,
+# "all" always and on every device (tests); ``compile_backend`` picks the backend (default inductor). CPU
+# runs the reference eagerly by default.
 # Tests pin the traced graphs to eager (tests/test_attn_res.py, tests/test_kda.py; tools/gpu_check.py).
 _COMPILED: dict = {}
 
@@ -37,15 +38,15 @@ def compile_enabled(t: torch.Tensor, grad_only: bool = True) -> bool:
     recomputation in backward): inference and evaluation see a new sequence length at almost every call
     (generation, HellaSwag), and a graph per shape would mean recompiling each time, then failing at the
     per-function graph limit, so they run eagerly."""
-    mode = os.environ.get("K3_COMPILE", "1")
+    mode = current_kernels().compile
     if mode == "all":
         return True
-    return mode == "1" and t.is_cuda and (torch.is_grad_enabled() or not grad_only)
+    return mode == "auto" and t.is_cuda and (torch.is_grad_enabled() or not grad_only)
 
 
 def compiled(fn, backend: str | None = None):
     """``fn`` compiled once per backend (whole graph, static shapes: one graph per distinct shape)."""
-    backend = backend or os.environ.get("K3_COMPILE_BACKEND", "inductor")
+    backend = backend or current_kernels().compile_backend
     key = (fn, backend)
     if key not in _COMPILED:
         # one graph per (shape, dtype, grad mode): the AttnRes mixer alone sees up to L / block + 1 candidate
@@ -112,18 +113,30 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _fp32_cpu_buffer(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is an fp32 CPU tensor (values are drawn in place: no second full-size copy), else a
+    new fp32 CPU tensor of its shape."""
+    return t if (t.dtype == torch.float32 and t.device.type == "cpu") else torch.empty(t.shape, dtype=torch.float32)
+
+
 def normal_(t: torch.Tensor, std: float, gen: torch.Generator | None):
     """In-place normal(0, std) drawn in fp32 on the CPU generator (device/dtype independent)."""
     with torch.no_grad():
-        v = torch.randn(t.shape, generator=gen, dtype=torch.float32) * std
-        t.copy_(v.to(t.dtype))
+        v = _fp32_cpu_buffer(t)
+        v.normal_(generator=gen)
+        v.mul_(std)
+        if v is not t:
+            t.copy_(v.to(t.dtype))
     return t
 
 
 def uniform_(t: torch.Tensor, low: float, high: float, gen: torch.Generator | None):
     with torch.no_grad():
-        v = torch.rand(t.shape, generator=gen, dtype=torch.float32) * (high - low) + low
-        t.copy_(v.to(t.dtype))
+        v = _fp32_cpu_buffer(t)
+        v.uniform_(generator=gen)
+        v.mul_(high - low).add_(low)
+        if v is not t:
+            t.copy_(v.to(t.dtype))
     return t
 
 

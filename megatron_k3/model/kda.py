@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..perf import current as current_kernels
 from .common import (Linear, RMSNorm, acc_dtype, compile_enabled, compiled, fast, inverse_softplus, rms_norm,
                      scaled_init_std, sigmoid_gate, uniform_)
 
@@ -85,10 +85,10 @@ def short_conv_impl(x: torch.Tensor, cache: torch.Tensor | None = None) -> str:
     """Which form ``causal_conv1d`` runs: ``fla`` (flash-linear-attention's Triton kernel, fp32 accumulation,
     SiLU fused, strided input read in place, weight gradient reduced in fp32) for CUDA tensors without a
     ``cache`` when fla is installed, ``compiled`` (``causal_conv1d_shifted`` through torch.compile) for other
-    CUDA training calls, else ``reference``. ``K3_SHORT_CONV=compiled`` keeps CUDA off the fla kernel;
-    ``K3_SHORT_CONV=triton`` runs this project's kernels (``short_conv_triton.py``: no forward recomputed in
+    CUDA training calls, else ``reference``. ``perf.short_conv = compiled`` keeps CUDA off the fla kernel;
+    ``perf.short_conv = triton`` runs this project's kernels (``short_conv_triton.py``: no forward recomputed in
     backward; opt-in until measured on a GPU) for CUDA tensors without a cache."""
-    form = os.environ.get("K3_SHORT_CONV", "fla")
+    form = current_kernels().short_conv
     if x.is_cuda and cache is None and form == "triton":
         from .short_conv_triton import supported
 

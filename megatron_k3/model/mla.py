@@ -10,15 +10,15 @@ r"""Gated NoPE Multi-head Latent Attention (the full-attention layers of K3).
 
 ``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6. The attention core is PyTorch SDPA (cuDNN's kernel on
 the H200 for contiguous inputs, the math kernel on CPU); the same module is the reference on both.
-``K3_SDPA_BACKEND=cudnn`` puts cuDNN's kernel first in SDPA's choice on CUDA (``sdpa_backends``).
+``perf.sdpa_backend = cudnn`` puts cuDNN's kernel first in SDPA's choice on CUDA (``sdpa_backends``).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..perf import current as current_kernels
 
 from .common import Linear, RMSNorm, fast, scaled_init_std, sigmoid_gate
 
@@ -30,16 +30,16 @@ def sdpa_backends(cuda: bool, choice: str | None = None):
     """SDPA kernels in priority order for ``causal_attention`` (on a CUDA device if ``cuda``), or None for
     torch's own order.
 
-    ``choice`` (default: ``K3_SDPA_BACKEND``, else ``auto``): ``auto`` leaves the choice to torch; ``cudnn``
+    ``choice`` (default: ``perf.current().sdpa_backend``): ``auto`` leaves the choice to torch; ``cudnn``
     puts cuDNN's kernel first on CUDA, then flash, memory-efficient and math. Why: with Transformer Engine
     imported, the H200 machine loaded a system cuDNN 9.14 beside torch's 9.19, torch's default order then put
     the memory-efficient kernel first (13.8 ms fwd+bwd at k3-mini's MLA shape) although cuDNN's, forced, still
     ran (3.6 ms; ``benchmarks/results/gpu_check_sdpa_cudnn_path_attempt_h200_2026-12-03.json``). Whether it matches the
     other kernels there is what ``tools/gpu_check.py --only sdpa`` compares (``vs_efficient``)."""
     if choice is None:
-        choice = os.environ.get("K3_SDPA_BACKEND", "auto")
+        choice = current_kernels().sdpa_backend
     if choice not in SDPA_BACKEND_CHOICES:
-        raise ValueError(f"K3_SDPA_BACKEND={choice!r}: expected one of {', '.join(SDPA_BACKEND_CHOICES)}")
+        raise ValueError(f"sdpa_backend={choice!r}: expected one of {', '.join(SDPA_BACKEND_CHOICES)}")
     if choice == "auto" or not cuda:
         return None
     from torch.nn.attention import SDPBackend

@@ -1,4 +1,4 @@
-r"""Triton kernels of KDA's short convolution (``kda.causal_conv1d`` with ``K3_SHORT_CONV=triton``; opt-in
+r"""Triton kernels of KDA's short convolution (``kda.causal_conv1d`` with ``perf.short_conv = triton``; opt-in
 until measured on a GPU: benchmarks/README.md).
 
 Same equations as the ``F.conv1d`` reference in ``kda.py``, in fp32 registers, x [B, T, C] read in place

@@ -14,7 +14,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1] if len(sys.ar
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-from megatron_k3 import compat  # noqa: E402
+from megatron_k3 import compat, perf  # noqa: E402
 from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
@@ -35,7 +35,7 @@ def train(coalesce: bool, fused: str | None = None):
     ddp = wrap_ddp(chunks, tconfig)
     opt = build_optimizer(ddp, lr=1e-2, bf16=True, coalesce=coalesce)
     if fused:  # torch's fused AdamW as on CUDA (its CPU kernel), stepped by torch or by LeanFusedAdamWStep
-        os.environ["K3_LEAN_ADAMW"] = "1" if fused == "lean" else "0"
+        perf.configure(lean_adamw=fused == "lean")
         assert compat.fuse_torch_adamw(opt, device_types=("cpu",)) == 1
         step = opt.chained_optimizers[0].optimizer.step
         assert isinstance(step, compat.LeanFusedAdamWStep) == (fused == "lean")

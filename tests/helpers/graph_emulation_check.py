@@ -24,6 +24,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1] if len(sys.ar
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
+from megatron_k3 import perf  # noqa: E402
 from megatron_k3.config import get_preset  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 from megatron_k3.megatron import adapter  # noqa: E402
@@ -116,8 +117,8 @@ steps = [[torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g) for _ in ran
 steps.append([steps[0][0][:1]])  # another micro-batch size: must run eagerly
 fb = get_forward_backward_func()
 res = {}
-for mode in ("eager", "graphs", "graphs_grads_out"):  # graphs_grads_out: K3_GRAPH_MAIN_GRAD=0
-    os.environ["K3_GRAPH_MAIN_GRAD"] = "0" if mode == "graphs_grads_out" else "1"
+for mode in ("eager", "graphs", "graphs_grads_out"):  # graphs_grads_out: perf graph_main_grad off
+    perf.configure(graph_main_grad=mode != "graphs_grads_out")
     # a sign update of the expert bias from each step's token counts (warm-up must not leave counts behind)
     chunks, tconfig = build_model_chunks(cfg, layout, device=device, moe_router_bias_update_rate=1e-2)
     adapter.load_hf_state_dict(chunks[0], sd, 0)
