@@ -156,7 +156,7 @@ def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_redu
     if routers and capture is not None:
         counts = torch.stack([r.local_tokens_per_expert.detach().double() for _, r in routers])
         all_reduce(counts, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
-        capture.extend((name, c.cpu()) for (name, _), c in zip(routers, counts))
+        capture.extend(zip((name for name, _ in routers), counts))  # on the device: read after the step
     finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     qb = [r for _, r in routers if getattr(r, "k3_balancing", None) == "quantile"]
     if qb:  # Quantile Balancing: the step's mean shift over micro-batches and TP x DP x CP token shards

@@ -415,7 +415,8 @@ class Trainer:
                 raise SystemExit(f"[pretrain] non-finite loss at step {step + 1}; stopping (no checkpoint is written)")
             self.tokens_seen += job.train.global_batch_size * cfg.seq_length
             # routing stats from the step's counts (all micro-batches, all TP/DP/CP ranks), gathered to rank 0
-            layer_stats = {name: routing_stats(c) for name, c in res.counts}
+            counts = torch.stack([c for _, c in res.counts]).cpu() if res.counts else []  # one device read
+            layer_stats = {name: routing_stats(c) for (name, _), c in zip(res.counts, counts)}
             gathered = [None] * dist.get_world_size() if self.rank == 0 else None
             dist.gather_object(layer_stats, gathered, dst=0)
             now = time.perf_counter()
