@@ -41,13 +41,13 @@ SMOKE = dict(preset="k3-tiny", flags=["--micro-batch-size", "2", "--global-batch
              steps=6, save_at=3, export_dtype="fp32", eval_device="cpu", eval_dtype="float32")
 
 
-def run(cmd, log, timeout, rep, name):
+def run(cmd, log, timeout, rep, name, shown=None):
     t = time.time()
     with open(log, "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
                            env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                     PYTHONUNBUFFERED="1"))
-    rep["steps"][name] = {"command": " ".join(cmd).replace(ROOT + "/", ""), "rc": r.returncode,
+    rep["steps"][name] = {"command": shown or " ".join(cmd).replace(ROOT + "/", ""), "rc": r.returncode,
                           "wall_s": round(time.time() - t, 1)}
     if r.returncode != 0:
         tail = open(log).read().splitlines()[-25:]
@@ -75,7 +75,7 @@ def main():
     import torch
 
     rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor()})",
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
            "torch": torch.__version__, "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
            "preset": c["preset"], "trainer_flags": c["flags"], "steps": {}, "checks": {}}
 
@@ -112,7 +112,8 @@ def main():
             and any(f.endswith(".safetensors") for f in os.listdir(hf)))
         save()
         gen = run([PY, "-c", GENERATE, hf, c["eval_device"], c["eval_dtype"]], os.path.join(work, "gen.log"),
-                  a.timeout, rep, "transformers_generate")
+                  a.timeout, rep, "transformers_generate",
+                  shown=f"python -c <tests/gpu/e2e.py GENERATE> {hf} {c['eval_device']} {c['eval_dtype']}")
         g = json.loads(gen.strip().splitlines()[-1])
         rep["generate"] = g
         rep["checks"]["transformers_generate"] = g["new_tokens"] == 16 and g["finite_logits"]
