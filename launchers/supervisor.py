@@ -19,6 +19,13 @@ decides what to do when it ends:
   supervisor gives up with the child's exit status (128 + signal for a signal death). Otherwise it waits
   ``--backoff`` seconds and starts the same command again (which resumes with ``--load DIR``).
 
+- no progress: with ``--stall-timeout S`` (default 3600; 0 turns it off) the supervisor watches the run's
+  progress file (``--progress-file``, default ``RUN_DIR/metrics.jsonl`` from COMMAND's ``--run-dir``), to which
+  the trainer appends a line every step. If it has not grown for S seconds (from the child's start too: the
+  first step's compilation counts), the child is a hung run: SIGTERM to its process group, SIGKILL 30 s later,
+  and the attempt is a failure without progress unless a checkpoint advanced, restarted from the latest
+  checkpoint as above.
+
 SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 are forwarded to the child's process group (``srun`` forwards them
 on to its tasks); one that arrives while the child is being started (before its pid is known) is forwarded
 as soon as it has started. ``--save`` defaults to the value of ``--save`` (else ``--load``) in COMMAND. Every start
@@ -33,6 +40,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_k3.cli import ArgumentParser  # noqa: E402
 
 EXIT_SAVED_ON_SIGNAL = 3
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -79,9 +89,19 @@ def shell_status(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def file_size(path: str | None) -> int | None:
+    try:
+        return os.path.getsize(path) if path else None
+    except OSError:
+        return None
+
+
 class Supervisor:
-    def __init__(self, cmd: list[str], save: str | None, max_failures: int, backoff: float, requeue: bool):
+    def __init__(self, cmd: list[str], save: str | None, max_failures: int, backoff: float, requeue: bool,
+                 stall_timeout: float = 0.0, progress_file: str | None = None, kill_grace: float = 30.0):
         self.cmd, self.save, self.max_failures, self.backoff, self.requeue = cmd, save, max_failures, backoff, requeue
+        self.stall_timeout, self.progress_file, self.kill_grace = stall_timeout, progress_file, kill_grace
+        self.stalled = False
         self.child: subprocess.Popen | None = None
         self.received: list[int] = []  # signals received by the supervisor, in order
         # signals that found no live child: forwarded to the next child right after Popen returns, since one
@@ -120,6 +140,7 @@ class Supervisor:
         # own process group: forwarded signals reach the whole tree (torchrun's workers, srun), and a
         # terminal's Ctrl-C reaches only the supervisor, which forwards it once
         self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True)
+        log(f"attempt {attempt}: child pid {self.child.pid}")
         while self.missed:  # arrived while Popen ran; the handler forwards any later one itself
             signum = self.missed.pop(0)
             log(f"forwarding {signal.Signals(signum).name} to the child (pid {self.child.pid}) now that it started")
@@ -127,11 +148,36 @@ class Supervisor:
                 os.killpg(self.child.pid, signum)
             except ProcessLookupError:
                 pass
+        self.stalled = False
+        watch = self.stall_timeout > 0 and self.progress_file
+        size, since = file_size(self.progress_file), time.monotonic()
         while True:
             try:
-                return self.child.wait()
+                return self.child.wait(timeout=min(5.0, self.stall_timeout / 4) if watch else None)
+            except subprocess.TimeoutExpired:
+                now_size = file_size(self.progress_file)
+                if now_size != size:
+                    size, since = now_size, time.monotonic()
+                elif time.monotonic() - since > self.stall_timeout:
+                    return self.kill_stalled(time.monotonic() - since)
             except InterruptedError:  # pragma: no cover (PEP 475 retries; kept for clarity)
                 continue
+
+    def kill_stalled(self, idle: float) -> int:
+        """The child made no progress for ``idle`` seconds: SIGTERM, then SIGKILL after the grace period."""
+        self.stalled = True
+        log(f"no progress for {idle:.0f} s ({self.progress_file} unchanged; --stall-timeout {self.stall_timeout:g}): "
+            f"stopping the child (pid {self.child.pid}) as hung")
+        for sig, wait in ((signal.SIGTERM, self.kill_grace), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self.child.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                return self.child.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                log(f"child still alive {self.kill_grace:g} s after SIGTERM: SIGKILL")
+        return self.child.wait()
 
     def requeue_job(self) -> bool:
         job = os.environ.get("SLURM_JOB_ID")
@@ -184,14 +230,15 @@ class Supervisor:
             if rc == 0:
                 log(f"attempt {attempt}: finished (exit code 0); latest checkpoint: step {end}")
                 return 0
-            if rc == EXIT_SAVED_ON_SIGNAL or self.usr1_requested:
+            if (rc == EXIT_SAVED_ON_SIGNAL and not self.stalled) or self.usr1_requested:
                 return self.on_saved_exit(rc)
             if self.stop_requested:
                 log(f"attempt {attempt}: {describe(rc)} after a stop signal; not restarting")
                 return shell_status(rc)
             progressed = end is not None and (start is None or end > start)
             failures = 0 if progressed else failures + 1
-            log(f"attempt {attempt}: failed ({describe(rc)}); checkpoint step {start} -> {end} "
+            what = f"hung, stopped ({describe(rc)})" if self.stalled else describe(rc)
+            log(f"attempt {attempt}: failed ({what}); checkpoint step {start} -> {end} "
                 f"({'progress' if progressed else 'no progress'}); "
                 f"{failures}/{self.max_failures} consecutive failures without progress")
             if failures >= self.max_failures:
@@ -212,7 +259,7 @@ def main(argv=None):
         own, cmd = argv[:i], argv[i + 1:]
     else:
         own, cmd = argv, []
-    ap = argparse.ArgumentParser(prog="supervisor", description=__doc__,
+    ap = ArgumentParser(prog="supervisor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  usage="%(prog)s [options] -- COMMAND [ARGS...]")
     ap.add_argument("--max-failures", type=int, default=3,
@@ -224,6 +271,12 @@ def main(argv=None):
                     help="under Slurm, 'scontrol requeue' the job when the child saved and stopped on a signal "
                          "(default)")
     ap.add_argument("--no-requeue-on-signal", dest="requeue", action="store_false")
+    ap.add_argument("--stall-timeout", type=float, default=3600.0,
+                    help="seconds without progress (the progress file not growing) after which the child is "
+                         "stopped as hung and restarted (default 3600; 0: no watchdog)")
+    ap.add_argument("--progress-file", default=None,
+                    help="file the trainer appends to every step (default: COMMAND's --run-dir/metrics.jsonl)")
+    ap.add_argument("--kill-grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL of a hung child")
     args = ap.parse_args(own)
     if not cmd:
         print("error: no command given (usage: supervisor.py [options] -- COMMAND [ARGS...])", file=sys.stderr)
@@ -231,10 +284,20 @@ def main(argv=None):
     if args.max_failures < 1:
         print(f"error: --max-failures must be >= 1 (got {args.max_failures})", file=sys.stderr)
         sys.exit(2)
+    for name in ("stall_timeout", "backoff", "kill_grace"):
+        if getattr(args, name) < 0:
+            print(f"error: --{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})", file=sys.stderr)
+            sys.exit(2)
+    progress = args.progress_file
+    if progress is None and flag_value(cmd, "--run-dir"):
+        progress = os.path.join(flag_value(cmd, "--run-dir"), "metrics.jsonl")
+    if args.stall_timeout > 0 and progress is None:
+        log("no --run-dir in the command and no --progress-file: the hang watchdog is off")
     save = args.save or flag_value(cmd, "--save") or flag_value(cmd, "--load")
     if save is None:
         log("no --save directory: every failure counts as a failure without progress")
-    sup = Supervisor(cmd, save, args.max_failures, args.backoff, args.requeue)
+    sup = Supervisor(cmd, save, args.max_failures, args.backoff, args.requeue, args.stall_timeout, progress,
+                     args.kill_grace)
     sup.install()
     sys.exit(sup.run())
 

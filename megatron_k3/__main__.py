@@ -27,6 +27,7 @@ COMMANDS = {
     "model-info": ("tools/model_info.py", "main", "parameter counts of a preset or config"),
     "probe-moe": ("megatron_k3.probe", "main", "expert load and specialisation of trained weights"),
     "plot-run": ("tools/plot_run.py", "main", "loss and routing plots of a run directory"),
+    "supervise": ("launchers/supervisor.py", "main", "restart a training command from its latest checkpoint until it finishes"),
     "benchmark": ("tools/benchmark.py", "main", "training throughput through Trainer.train_step, with same-run baselines"),
 }
 

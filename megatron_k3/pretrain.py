@@ -14,14 +14,21 @@ the run's ``metrics.jsonl`` and wandb (offline by default).
 """
 from __future__ import annotations
 
-from .cli import friendly_errors
+from .cli import UsageError, friendly_errors
 from .train.config import build_parser as _config_parser
 from .train.config import from_namespace
 from .train.trainer import EXIT_SAVED_ON_SIGNAL, Trainer, default_data, ensure_default_store  # noqa: F401
 
 
 def build_parser(prog: str = "pretrain_k3"):
-    return _config_parser(prog, __doc__)
+    ap = _config_parser(prog, __doc__)
+    g = ap.add_argument_group("actions")
+    g.add_argument("--validate-only", action="store_true",
+                   help="check the configuration, the layout for the world size, the data and the checkpoint "
+                        "directories, print the resolved configuration and exit (0 if valid); nothing is built")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="with --validate-only: the world size to check the layout for (default: this launch's)")
+    return ap
 
 
 def parse(argv=None):
@@ -30,7 +37,23 @@ def parse(argv=None):
 
 @friendly_errors
 def main(argv=None):
-    job = parse(argv)
+    import os
+
+    ns = build_parser().parse_args(argv)
+    job = from_namespace(ns)
+    if ns.validate_only:
+        if ns.world_size is not None:
+            if ns.world_size < 1:
+                raise UsageError(f"--world-size must be >= 1 (got {ns.world_size})")
+            os.environ["WORLD_SIZE"] = str(ns.world_size)
+            os.environ.setdefault("RANK", "0")
+        trainer = Trainer(job)
+        trainer.prepare_data()
+        from .train.config import describe
+
+        print(f"[pretrain] configuration valid for {trainer.world} rank(s), layout {trainer.layout.describe()}:\n"
+              + describe(job), flush=True)
+        return
     trainer = Trainer(job)
     try:
         trainer.setup()

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from .cli import UsageError, friendly_errors
+from .cli import ArgumentParser, UsageError, friendly_errors
 from .config import get_preset, load_config
 from .metrics import routing_stats
 
@@ -67,7 +67,7 @@ def probe(model, domain_windows: dict, batch: int = 8) -> dict:
 
 @friendly_errors
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", required=True, help="HF-named state dict (.pt), e.g. from pretrain --export-weights")
     ap.add_argument("--preset", default=None)
     ap.add_argument("--config", default=None)

@@ -26,13 +26,13 @@ import os
 import subprocess
 import sys
 
-from .cli import UsageError, friendly_errors
+from .cli import ArgumentParser, UsageError, friendly_errors
 
 GiB = 1 << 30
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
     a("--preset", default="k3-full")
     a("--nodes", type=int, default=1)

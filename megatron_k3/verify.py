@@ -33,7 +33,7 @@ import tempfile
 
 import torch
 
-from .cli import UsageError, friendly_errors
+from .cli import ArgumentParser, UsageError, friendly_errors
 from .config import PRESETS, get_preset, load_config
 from .launch_env import free_port
 from .layout import LayoutError, ParallelLayout
@@ -236,7 +236,7 @@ def compare(golden_losses, golden_grads, golden_final, res, shapes):
 
 @friendly_errors
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="verify_parallel.py", description=__doc__,
+    ap = ArgumentParser(prog="verify_parallel.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="k3-tiny", help=f"one of: {', '.join(PRESETS)}")
     ap.add_argument("--config", help="model config file instead of --preset")

@@ -69,12 +69,6 @@ NPROC_PER_NODE=${SLURM_NTASKS_PER_NODE:-$K3_GPUS_PER_NODE}
 NPROC_PER_NODE=${NPROC_PER_NODE%%(*}                 # "8(x2)" -> "8"
 WORLD=$((NNODES * NPROC_PER_NODE))
 
-# rendezvous: the first host of the job, a port derived from the job id (and the requeue count, so a
-# requeued job never meets a socket of its previous run)
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=$((20000 + (SLURM_JOB_ID * 7 + ${SLURM_RESTART_COUNT:-0}) % 20000))
-export MASTER_ADDR MASTER_PORT
-
 K3_PRESET=${K3_PRESET:-${K3_DEFAULT_PRESET:-}}
 if [[ -z ${K3_LAYOUT+x} ]]; then
   K3_LAYOUT=$(k3_layout "$K3_PRESET" "$NNODES")    # the profile's planner-checked layout
@@ -97,6 +91,16 @@ ARGS=()
 ARGS+=(--run-dir "$K3_RUN_DIR" --save "$K3_SAVE" --load "$K3_SAVE" --save-interval "$K3_SAVE_INTERVAL"
        --ckpt-writer "$K3_CKPT_WRITER" --exit-signal-handler)
 ARGS+=("$@")                                         # the user's flags come last and win (argparse)
+
+# check every flag, the layout for this job's world size, the data and the checkpoint directory on the batch
+# host before any rank starts: bad input is one line and exit 2 here, not a failure on every node
+"$K3_PYTHON" -u launchers/pretrain_k3.py --validate-only --world-size "$WORLD" "${ARGS[@]}" >/dev/null || exit $?
+
+# rendezvous: the first host of the job, a port derived from the job id (and the requeue count, so a
+# requeued job never meets a socket of its previous run)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=$((20000 + (SLURM_JOB_ID * 7 + ${SLURM_RESTART_COUNT:-0}) % 20000))
+export MASTER_ADDR MASTER_PORT
 
 case $K3_LAUNCH in
   srun)

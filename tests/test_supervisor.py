@@ -229,3 +229,36 @@ def test_stale_signal_between_attempts_is_not_forwarded(tmp_path):
     sup._on_signal(signal.SIGUSR2, None)
     assert sup.run() == 0
     assert not marker.exists()
+
+
+def test_watchdog_restarts_a_stalled_real_trainer(tmp_path):
+    """The real trainer (k3-tiny), made to stall by SIGSTOP after it has saved at step 4: its metrics.jsonl stops
+    growing, the supervisor's watchdog stops it as hung (SIGTERM, then SIGKILL: a stopped process ignores
+    SIGTERM), counts a failure and restarts it; the new attempt resumes from the checkpoint and finishes."""
+    save, run = tmp_path / "ckpt", tmp_path / "run"
+    cmd = [sys.executable, SUP, "--stall-timeout", "15", "--kill-grace", "2", "--backoff", "0", "--max-failures", "2",
+           "--", sys.executable, os.path.join(ROOT, "launchers", "pretrain_k3.py"), "--train-iters", "12",
+           "--micro-batch-size", "2", "--global-batch-size", "2", "--save", str(save), "--load", str(save),
+           "--save-interval", "4", "--run-dir", str(run), "--wandb-mode", "disabled"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    tracker = save / "latest_checkpointed_iteration.txt"
+    while time.time() < deadline and not (tracker.exists() and tracker.read_text().strip() == "4"):
+        time.sleep(0.2)
+    assert tracker.exists(), "no checkpoint at step 4"
+    # the trainer is the supervisor's only child: stop its whole process group
+    import psutil
+
+    kids = psutil.Process(p.pid).children()
+    assert len(kids) == 1
+    os.killpg(kids[0].pid, signal.SIGSTOP)
+    stopped_at = sum(1 for _ in open(metrics))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert "no progress for" in err and "stopping the child" in err and "SIGKILL" in err, err[-3000:]
+    assert "attempt 1: failed (hung, stopped (killed by SIGKILL))" in err, err[-3000:]
+    assert "attempt 2: starting (resuming from checkpoint step" in err
+    steps = [json.loads(line)["step"] for line in open(metrics)]
+    assert steps[-1] == 12 and stopped_at >= 4

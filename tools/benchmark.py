@@ -60,9 +60,10 @@ BENCH_DEFAULTS = dict(preset="k3-mini", micro_batch_size=4, seq_length=4096)
 
 def build_parser():
     """The trainer's flags (every section of ``python -m megatron_k3 train --help``) plus the harness's own."""
+    from megatron_k3.cli import ArgumentParser
     from megatron_k3.train.config import add_arguments
 
-    ap = argparse.ArgumentParser(prog="benchmark", description=__doc__,
+    ap = ArgumentParser(prog="benchmark", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     b = ap.add_argument_group("benchmark")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed series")

@@ -17,12 +17,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_k3.cli import UsageError, friendly_errors  # noqa: E402
+from megatron_k3.cli import ArgumentParser, UsageError, friendly_errors  # noqa: E402
 
 
 @friendly_errors
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--output", help="checkpoint directory to write (required unless --dry-run)")
     p.add_argument("--tp", type=int, default=1)

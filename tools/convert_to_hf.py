@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_k3.cli import UsageError, friendly_errors  # noqa: E402
+from megatron_k3.cli import ArgumentParser, UsageError, friendly_errors  # noqa: E402
 
 
 def parse_size(s: str) -> int:
@@ -35,7 +35,7 @@ def parse_size(s: str) -> int:
 
 @friendly_errors
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="save dir (latest), iter_XXXXXXX dir, or HF-named .pt file")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--output", help="HF model directory to write (required unless --dry-run)")

@@ -19,12 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_k3.cli import UsageError, friendly_errors  # noqa: E402
+from megatron_k3.cli import ArgumentParser, UsageError, friendly_errors  # noqa: E402
 
 
 @friendly_errors
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF model directory")
     src.add_argument("--checkpoint", help="trainer checkpoint (save dir or iter_XXXXXXX dir)")

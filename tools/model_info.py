@@ -11,13 +11,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_k3.cli import UsageError, friendly_errors  # noqa: E402
+from megatron_k3.cli import ArgumentParser, UsageError, friendly_errors  # noqa: E402
 from megatron_k3.config import PRESETS, get_preset, load_config  # noqa: E402
 
 
 @friendly_errors
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
     ap.add_argument("--config", help="model config file (.yaml/.json/.toml)")
     ap.add_argument("--json", action="store_true", help="print JSON")

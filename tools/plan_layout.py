@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_k3 import plan as P  # noqa: E402
-from megatron_k3.cli import UsageError, friendly_errors  # noqa: E402
+from megatron_k3.cli import ArgumentParser, UsageError, friendly_errors  # noqa: E402
 from megatron_k3.config import ConfigError, get_preset, load_config  # noqa: E402
 from megatron_k3.layout import ParallelLayout  # noqa: E402
 
@@ -32,7 +32,7 @@ GiB = 1 << 30
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="plan_layout", description=__doc__,
+    ap = ArgumentParser(prog="plan_layout", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
     a("--preset", default="k3-full", help="model preset (default k3-full)")

@@ -1,18 +1,17 @@
 #!/usr/bin/env python3
 """Render a run's loss and routing plots to PNG:  python tools/plot_run.py RUN_DIR"""
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_k3.cli import friendly_errors  # noqa: E402
+from megatron_k3.cli import ArgumentParser, friendly_errors  # noqa: E402
 from megatron_k3.plots import plot_run  # noqa: E402
 
 
 @friendly_errors
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = ArgumentParser(description=__doc__)
     ap.add_argument("run_dir")
     for p in plot_run(ap.parse_args().run_dir):
         print(p)

@@ -7,9 +7,13 @@ order. A training step takes the next ``global_batch`` windows of that global or
 next epoch when one ends); data-parallel rank ``r`` gets its contiguous ``global_batch / DP`` slice, cut
 into micro-batches. DP shards of a step are disjoint by construction.
 
+A background thread prefetches steps. An exception in it (a read error on the store, a corrupt shard) is
+handed to the main thread and raised by the next ``next_step`` as ``DataLoaderError`` naming the step's
+position; ``next_step`` never waits without bound (it checks that the thread is alive while it waits).
+
 The position is ``(epoch, cursor)``: ``state_dict()`` gives the position of the next step *not yet handed
 out* (prefetched steps do not count), and ``load_state_dict`` resumes the identical stream. Labels equal
-to the tokenizer's pad id are masked (``-100``). A background thread prefetches steps.
+to the tokenizer's pad id are masked (``-100``).
 """
 from __future__ import annotations
 
@@ -19,9 +23,14 @@ import threading
 import numpy as np
 import torch
 
+from ..cli import RunError
 from ..config import ConfigError
 from ..model.k3 import IGNORE_INDEX
 from .store import open_store
+
+
+class DataLoaderError(RunError):
+    """Reading the token store failed (in the prefetch thread or inline); names where (exit code 1)."""
 
 
 class TokenLoader:
@@ -29,6 +38,7 @@ class TokenLoader:
                  dp_size: int = 1, seed: int = 1234, pad_id: int | None = None, prefetch: int = 2,
                  in_memory: bool | None = None):
         tokens, _, self.manifest = open_store(path)
+        self.path = path
         self.S, self.mbs, self.gb = seq_length, micro_batch_size, global_batch_size
         self.dp_rank, self.dp_size, self.seed, self.pad_id = dp_rank, dp_size, seed, pad_id
         if global_batch_size % (micro_batch_size * dp_size):
@@ -88,14 +98,20 @@ class TokenLoader:
     # ------------------------------------------------------------------------------------------------
     def _producer(self, epoch, cursor):
         while not self._stop.is_set():
-            micro, ids, e2, c2 = self._build_step(epoch, cursor)
-            item = (micro, ids, (epoch, cursor), (e2, c2))
+            try:
+                micro, ids, e2, c2 = self._build_step(epoch, cursor)
+                item = (micro, ids, (epoch, cursor), (e2, c2))
+            except BaseException as e:  # noqa: BLE001  (handed to the main thread, which raises it)
+                item = ("error", e, (epoch, cursor), None)
+                e2, c2 = epoch, cursor
             while not self._stop.is_set():
                 try:
                     self._q.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
+            if item[0] == "error":
+                return
             epoch, cursor = e2, c2
 
     def _ensure_thread(self):
@@ -109,10 +125,26 @@ class TokenLoader:
         """The micro-batches of this DP rank for the next step (list of dicts of [mbs, S] tensors)."""
         if self.prefetch > 0:
             self._ensure_thread()
-            micro, ids, start, end = self._q.get()
+            while True:
+                try:
+                    micro, ids, start, end = self._q.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if not self._thread.is_alive():
+                        self._thread = None
+                        raise DataLoaderError(f"the data prefetch thread stopped without a result at epoch "
+                                              f"{self.epoch}, window {self.cursor} of {self.path}") from None
+            if micro == "error":
+                self.close()
+                raise DataLoaderError(f"reading the token store {self.path} at epoch {start[0]}, window "
+                                      f"{start[1]} failed: {type(ids).__name__}: {ids}") from ids
             assert start == (self.epoch, self.cursor), "prefetch went out of sync"
         else:
-            micro, ids, e2, c2 = self._build_step(self.epoch, self.cursor)
+            try:
+                micro, ids, e2, c2 = self._build_step(self.epoch, self.cursor)
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                raise DataLoaderError(f"reading the token store {self.path} at epoch {self.epoch}, window "
+                                      f"{self.cursor} failed: {type(e).__name__}: {e}") from e
             end = (e2, c2)
         self.epoch, self.cursor = end
         self.last_window_ids = ids

@@ -1,11 +1,11 @@
 """Tokenize documents in parallel into a zarr v3 token store (``tools/prepare_data.py``)."""
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import sys
 
-from ..cli import friendly_errors
+from ..cli import ArgumentParser, friendly_errors
+from ..config import ConfigError
 from .store import StoreWriter, default_workers, find_inputs, iter_documents, store_size_bytes
 from .tokenizer import file_sha256, load_tokenizer
 
@@ -49,7 +49,7 @@ def prepare(inputs, tokenizer_path, output, workers=None, text_field="text", pro
 
 @friendly_errors
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Tokenize .txt/.jsonl/.parquet (optionally .gz) files or directories "
+    ap = ArgumentParser(description="Tokenize .txt/.jsonl/.parquet (optionally .gz) files or directories "
                                              "into a zarr v3 token store.")
     ap.add_argument("--input", nargs="+", required=True)
     ap.add_argument("--tokenizer", required=True, help="tokenizer.json (HF tokenizers) or Kimi tiktoken.model")
@@ -57,6 +57,12 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--text-field", default="text")
     args = ap.parse_args(argv)
+    import os
+
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ConfigError(f"--output {args.output} exists and is not a directory (a token store is a directory)")
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1 (got {args.workers})")
     man = prepare(args.input, args.tokenizer, args.output, args.workers, args.text_field)
     print(f"[prepare] {man['num_documents']} documents, {man['token_count']:,} tokens -> {args.output} "
           f"({man['store_bytes'] / 1e6:.2f} MB, {man['store_bytes'] / man['token_count']:.2f} B/token)")

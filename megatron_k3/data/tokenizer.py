@@ -52,7 +52,10 @@ class HFTokenizer:
         self.path = Path(path)
         if not self.path.is_file():
             raise ConfigError(f"tokenizer file not found: {self.path}")
-        self.tok = Tokenizer.from_file(str(self.path))
+        try:
+            self.tok = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
+            raise ConfigError(f"{self.path}: not a readable tokenizer.json ({str(e).splitlines()[0][:200]})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self.tok.token_to_id("<|endoftext|>")
         self.pad_id = self.tok.token_to_id("<|pad|>")

@@ -62,21 +62,53 @@ def load_docs(path, limit: int | None = None) -> list[dict]:
     if name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(p).to_pylist()
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as e:  # noqa: BLE001  (arrow's many error types -> one line)
+            raise ConfigError(f"--data {p}: not a readable parquet file ({str(e).splitlines()[0][:200]})") from None
+        where = [f"row {i}" for i in range(len(rows))]
     elif name.endswith((".jsonl", ".json", ".jsonl.gz")):
         import gzip
 
         opener = gzip.open if name.endswith(".gz") else open
-        with opener(p, "rt", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows, where = [], []
+        try:
+            with opener(p, "rt", encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"--data {p}: line {n} is not valid JSON ({e.msg} at column {e.colno})") from None
+                    if not isinstance(r, dict):
+                        raise ConfigError(f"--data {p}: line {n} is a JSON {type(r).__name__}, expected an object "
+                                          f"with {', '.join(FIELDS)}")
+                    rows.append(r)
+                    where.append(f"line {n}")
+        except (UnicodeDecodeError, OSError, EOFError) as e:
+            raise ConfigError(f"--data {p}: cannot read as {'gzip-compressed ' if name.endswith('.gz') else ''}"
+                              f"UTF-8 JSON lines ({e})") from None
     else:
         raise ConfigError(f"--data {p}: expected a .jsonl or .parquet file")
-    for i, r in enumerate(rows):
+    if not rows:
+        raise ConfigError(f"--data {p}: no rows")
+    for w, r in zip(where, rows):
         miss = [k for k in FIELDS if k not in r]
         if miss:
-            raise ConfigError(f"{p}: row {i} lacks {', '.join(miss)} (HellaSwag schema: {', '.join(FIELDS)})")
+            raise ConfigError(f"{p}: {w} lacks {', '.join(miss)} (HellaSwag schema: {', '.join(FIELDS)})")
         if str(r["label"]).strip() == "":
-            raise ConfigError(f"{p}: row {i} has no label (the test split is unlabelled; use validation rows)")
+            raise ConfigError(f"{p}: {w} has no label (the test split is unlabelled; use validation rows)")
+        endings = r["endings"]
+        if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
+            raise ConfigError(f"{p}: {w}: 'endings' must be a list of at least two strings")
+        try:
+            label = int(str(r["label"]).strip())
+        except ValueError:
+            raise ConfigError(f"{p}: {w}: label {r['label']!r} is not an integer (0..{len(endings) - 1})") from None
+        if not 0 <= label < len(endings):
+            raise ConfigError(f"{p}: {w}: label {label} is out of range for {len(endings)} endings "
+                              f"(0..{len(endings) - 1})")
     return rows[:limit] if limit is not None else rows
 
 
@@ -220,7 +252,9 @@ def _hf_max_length(config, tok, default: int = 2048) -> int:
 
 def checkpoint_scorer(path, step: int | None = None, tokenizer: str | None = None, device: str = "cpu",
                       dtype: str = "float32", max_length: int | None = None) -> Scorer:
-    """A trainer checkpoint (any save layout) in the golden model; tokenizer from the checkpoint's record."""
+    """A trainer checkpoint (any save layout) in the golden model; tokenizer from the checkpoint's record. The
+    context window is the config's ``max_position_embeddings``, as ``hf_scorer`` resolves it for an export of
+    the same checkpoint (lm-eval's rule), so both paths score alike."""
     from ..data.tokenizer import load_tokenizer
     from ..hf.export import resolve_tokenizer_file, source_from_checkpoint
     from ..model import K3ForCausalLM
@@ -240,7 +274,7 @@ def checkpoint_scorer(path, step: int | None = None, tokenizer: str | None = Non
     model = model.to(device).eval()
     prefix = tok.bos_id if tok.bos_id is not None else tok.eos_id
     return Scorer(tok.encode, lambda ids: model(ids), prefix, pad_id=tok.pad_id or 0,
-                  max_length=max_length or 2048, device=device, name=str(path))
+                  max_length=max_length or int(src.cfg.max_position_embeddings), device=device, name=str(path))
 
 
 def evaluate(scorer: Scorer, data, limit: int | None = None, batch_size: int = 8, progress: bool = True,

@@ -283,21 +283,57 @@ def write_tokenizer(out_dir: Path, path: Path, cfg: K3Config) -> dict:
 def export_hf(src: WeightSource, out_dir, layout: str = "k3", dtype: str = "fp32",
               shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str | None = None, progress: bool = True,
               overwrite: bool = False) -> dict:
-    """Write the HF directory; returns a summary (tensors, bytes, shards, files)."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+    """Write the HF directory; returns a summary (tensors, bytes, shards, files).
 
+    The directory is written under a temporary name beside ``out_dir`` and renamed into place when complete,
+    so a failure (disk full, a bad shard in the source) leaves no partial export and, with ``overwrite``, the
+    previous export intact. Files get the usual permissions (0644 under a 022 umask)."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype '{dtype}' (choose from: {', '.join(DTYPES)})")
     tdt = DTYPES[dtype]
     entries = plan(src, layout, tdt)
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--output {out_dir} exists and is not a directory: name a new or empty directory")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"output directory {out_dir} exists and is not empty (pass --overwrite)")
     tok_path = resolve_tokenizer_file(src.tokenizer, tokenizer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("model*.safetensors*"):
-        old.unlink()
+    parent = out_dir.parent
+    blocker = next((q for q in [parent, *parent.parents] if q.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"--output {out_dir}: {blocker} is a file, not a directory")
+    if not parent.exists():
+        parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--output {out_dir}: its parent directory {parent} is not writable")
+    tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        summary = _write_export(src, tmp, entries, layout, tdt, shard_bytes, tok_path, progress)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        if out_dir.exists():  # --overwrite: the old export goes only once the new one is complete
+            old = parent / f".{out_dir.name}.old-{os.getpid()}"
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary["files"] = sorted(os.listdir(out_dir))
+    return summary
+
+
+def _write_export(src: WeightSource, out_dir: Path, entries, layout: str, tdt, shard_bytes: int, tok_path,
+                  progress: bool) -> dict:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
 
     shards = shard(entries, shard_bytes)
     n = len(shards)
@@ -340,12 +376,15 @@ def export_hf(src: WeightSource, out_dir, layout: str = "k3", dtype: str = "fp32
     gen = {k: v for k, v in ids.items() if v is not None}
     gen.update({"do_sample": False, "max_new_tokens": 256})
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    shipped = None
+    if tok_path is not None:  # the name written into the export, and the file it came from
+        shipped = {"file": "tokenizer.json" if (out_dir / "tokenizer.json").exists() else "tiktoken.model",
+                   "from": tok_path.name}
     summary = {"layout": layout, "dtype": dname, "tensors": len(entries), "bytes": total, "shards": n,
                "source": src.origin, "step": src.step, "config": src.cfg.name,
-               "tokenizer": (src.tokenizer or {}) | ({"shipped": tok_path.name} if tok_path else {"shipped": None})}
+               "tokenizer": (src.tokenizer or {}) | {"shipped": shipped}}
     summary["tokenizer"].pop("path", None)
     (out_dir / "k3_export.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    summary["files"] = sorted(os.listdir(out_dir))
     return summary
 
 

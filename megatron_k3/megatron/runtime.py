@@ -31,6 +31,12 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234) -> torch.device:
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1)
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return device

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import perf as perf_mod
+from ..cli import ArgumentParser
 from ..config import ConfigError
 
 
@@ -187,7 +188,11 @@ class JobConfig:
         from ..config import K3Config, get_preset
 
         over = dict(self.model.overrides)
-        cfg = get_preset(self.model.preset or "k3-tiny", **over) if over else get_preset(self.model.preset or "k3-tiny")
+        try:
+            cfg = (get_preset(self.model.preset or "k3-tiny", **over) if over
+                   else get_preset(self.model.preset or "k3-tiny"))
+        except ConfigError as e:
+            raise ConfigError(f"{self.config_file}: model section: {e}" if self.config_file else str(e)) from None
         extra = {}
         if self.model.mtp_num_layers is not None:
             extra["num_nextn_predict_layers"] = self.model.mtp_num_layers
@@ -381,7 +386,7 @@ def parse(argv=None, prog: str = "train", description: str | None = None) -> Job
 
 
 def build_parser(prog: str = "train", description: str | None = None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=description,
+    ap = ArgumentParser(prog=prog, description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     return ap

@@ -137,6 +137,8 @@ def validate(job: JobConfig, cfg, layout: ParallelLayout, world: int) -> None:
         raise UsageError(f"--save {c.save} exists and is not a directory")
     if c.load and not os.path.exists(c.load) and os.path.abspath(c.load) != os.path.abspath(c.save or ""):
         raise UsageError(f"--load {c.load}: no such directory (only --load equal to --save may not exist yet)")
+    if c.load and os.path.exists(c.load):
+        check_load_dir(c.load)
     if (pf.fp8_recipe or pf.fp8_format) and not pf.bf16:
         raise UsageError("--fp8-recipe/--fp8-format train the FP8 GEMMs of a bf16 model: add --bf16")
     from ..megatron.graphs import check_cuda_graphs
@@ -149,6 +151,22 @@ def validate(job: JobConfig, cfg, layout: ParallelLayout, world: int) -> None:
     if o.optimizer == "muon" and job.parallel.use_distributed_optimizer:
         raise UsageError("--optimizer muon runs without --use-distributed-optimizer (megatron's shards Adam state only)")
     lr_schedule(job)
+
+
+def check_load_dir(path: str) -> None:
+    """``--load`` must be a checkpoint directory (``latest`` or ``iter_*``), an ``iter_*`` directory, or an empty
+    one (a first start): a directory of other files is a mistyped path, not a fresh start."""
+    if not os.path.isdir(path):
+        raise UsageError(f"--load {path} is not a directory")
+    names = os.listdir(path)
+    if not names or os.path.basename(os.path.normpath(path)).startswith("iter_"):
+        return
+    ours = [n for n in names if n.startswith(("iter_", "latest_checkpointed_iteration"))]
+    if not ours:
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise UsageError(f"--load {path} holds no checkpoint (no latest_checkpointed_iteration.txt or iter_*) but "
+                         f"other files ({shown}): name the checkpoint directory, or an empty or new one to start "
+                         "from scratch")
 
 
 def default_data(cfg):
@@ -181,6 +199,27 @@ def ensure_default_store(store, tok):
         if not os.path.exists(os.path.join(store, "zarr.json")):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def root_cause(e: BaseException) -> str:
+    """The innermost OSError (or the last exception) behind ``e``, in one line: DCP wraps a writer's error in
+    its own ``CheckpointException`` (per-rank failures) and megatron in more."""
+    seen, stack, found = set(), [e], None
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            found = x
+            break
+        stack += [x.__cause__, x.__context__]
+        for v in (getattr(x, "failures", None) or {}).values():  # torch.distributed.checkpoint's per-rank errors
+            stack.append(v[0] if isinstance(v, tuple) else v)
+    x = found or e
+    if isinstance(x, OSError) and x.strerror:
+        return f"{x.strerror}" + (f": {x.filename}" if x.filename else "")
+    return f"{type(x).__name__}: {' '.join(str(x).split())[:300]}"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -412,7 +451,11 @@ class Trainer:
             lr = self.lr_at(step)
             res = self.train_step(self.loader.next_step(), lr)
             if not math.isfinite(res.loss):
-                raise SystemExit(f"[pretrain] non-finite loss at step {step + 1}; stopping (no checkpoint is written)")
+                from ..cli import RunError
+
+                kept = (f"; the checkpoints in {job.checkpoint.save} are untouched" if job.checkpoint.save else "")
+                raise RunError(f"non-finite loss ({res.loss}) at step {step + 1}: stopping without saving{kept} "
+                               "(lower --lr or check the data)")
             self.tokens_seen += job.train.global_batch_size * cfg.seq_length
             # routing stats from the step's counts (all micro-batches, all TP/DP/CP ranks), gathered to rank 0
             counts = torch.stack([c for _, c in res.counts]).cpu() if res.counts else []  # one device read
@@ -547,15 +590,31 @@ class Trainer:
                 "balancing": self.job.optim.moe_router_load_balancing_type}
 
     def save(self, step: int) -> str:
+        """Save step ``step``; a failed save (disk full, ...) is one ``RunError`` line that names the step and
+        the checkpoint ``latest`` still names (the save writes into ``iter_*.tmp`` and switches last)."""
         from megatron.core import parallel_state as ps
 
-        from checkpoints_io.k3ckpt import save_checkpoint
+        from torch.distributed.checkpoint.api import CheckpointException as DCPException
+
+        from checkpoints_io.k3ckpt import CheckpointError, latest_step, save_checkpoint
+
+        from ..cli import RunError
 
         c = self.job.checkpoint
         t = time.time()
-        path = save_checkpoint(c.save, step, self.chunks, self.opt, self.cfg, self._trainer_state(),
-                               tp_rank=ps.get_tensor_model_parallel_rank(), writer=c.ckpt_writer,
-                               keep_last=c.ckpt_keep_last, hf_shapes=self.shapes)
+        try:
+            path = save_checkpoint(c.save, step, self.chunks, self.opt, self.cfg, self._trainer_state(),
+                                   tp_rank=ps.get_tensor_model_parallel_rank(), writer=c.ckpt_writer,
+                                   keep_last=c.ckpt_keep_last, hf_shapes=self.shapes)
+        except CheckpointError:
+            raise
+        except (Exception, DCPException) as e:  # noqa: BLE001  (DCP wraps the writer's OSError in a BaseException)
+            try:
+                prev = latest_step(c.save)
+            except CheckpointError:
+                prev = None
+            kept = f"latest still names step {prev} (intact)" if prev is not None else "no earlier checkpoint exists"
+            raise RunError(f"saving step {step} to {c.save} failed: {root_cause(e)}; nothing was replaced: {kept}") from e
         self._print(f"[pretrain] saved step {step} to {path} in {time.time() - t:.2f} s")
         return path
 
