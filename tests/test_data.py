@@ -205,3 +205,30 @@ def test_default_store_built_by_two_processes_at_once(root, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["build.py", "s.zarr"]
     tokens, _, manifest = open_store(store)
     assert tokens.shape[0] > 100_000 and manifest["tokenizer"]["vocab_size"] == 512
+
+
+def test_prefetch_thread_error_reaches_the_main_thread(store):
+    """A read error in the prefetch thread is raised by the next ``next_step`` (naming the store and the
+    position), instead of the main thread waiting forever on an empty queue; a thread that dies without
+    handing anything over is reported too."""
+    import time
+
+    from megatron_k3.data.loader import DataLoaderError
+
+    out = store[0]
+    ld = TokenLoader(out, seq_length=15, micro_batch_size=2, global_batch_size=4, seed=3)
+    ld.next_step()
+    ld.close()
+
+    def broken(ids):
+        raise OSError(5, "Input/output error")
+
+    ld._read = broken
+    t = time.time()
+    with pytest.raises(DataLoaderError, match="epoch 0, window 4 failed: OSError"):
+        ld.next_step()
+    assert time.time() - t < 10
+    ld2 = TokenLoader(out, seq_length=15, micro_batch_size=2, global_batch_size=4, seed=3)
+    ld2._producer = lambda epoch, cursor: None  # a thread that ends without a result
+    with pytest.raises(DataLoaderError, match="stopped without a result"):
+        ld2.next_step()
