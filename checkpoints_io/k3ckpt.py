@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from megatron_k3.config import ConfigError
-from megatron_k3.megatron.collectives import ReduceOp, all_reduce, all_reduce_host
+from megatron_k3.megatron.collectives import ReduceOp, all_reduce_host
 from megatron_k3.model import hf_shapes as model_hf_shapes
 from megatron_k3.model.init import GoldenSkeleton
 
@@ -53,6 +53,7 @@ FORMAT = "megatron-k3/1"
 LATEST = "latest_checkpointed_iteration.txt"
 META = "k3_checkpoint.json"
 OPT_PREFIX = "optimizer."
+TOKENIZER_PREFIX = "tokenizer-"  # the checkpoint's copy of its tokenizer file: iter_*/tokenizer-<name>
 
 
 class CheckpointError(ConfigError):
@@ -105,10 +106,10 @@ def _crc_filesystem(base_cls):
     return CRCFileSystem
 
 
-def _checksumming_writer(path, kind: str):
+def _checksumming_writer(path, kind: str, thread_count: int = 1, limit_bytes_per_s: float = 0.0):
     from checkpoints_io.odirect import make_writer
 
-    writer = make_writer(path, kind)
+    writer = make_writer(path, kind, thread_count=thread_count, limit_bytes_per_s=limit_bytes_per_s)
     fs_cls = _crc_filesystem(type(writer.fs))
     fs = fs_cls.__new__(fs_cls)
     fs.__dict__.update(writer.fs.__dict__)
@@ -117,24 +118,41 @@ def _checksumming_writer(path, kind: str):
     return writer
 
 
-def _save_strategy(kind: str, digests_out: dict):
+def _save_strategy(kind: str, digests_out: dict, saver=None, group=None, thread_count: int = 1, after_write=None,
+                   limit_bytes_per_s: float = 0.0):
     from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
                                                                    _replace_state_dict_keys_with_sharded_keys,
                                                                    mcore_to_pyt_state_dict)
 
     class K3SaveStrategy(TorchDistSaveShardedStrategy):
-        """megatron's torch_dist format, written synchronously through our storage writer."""
+        """megatron's torch_dist format written through our storage writer: here (synchronously), or by the
+        ``saver``'s background thread on its process group (``AsyncSaver``), followed by ``after_write``."""
 
         def save(self, sharded_state_dict, checkpoint_dir):
             import torch.distributed.checkpoint as dcp
 
             sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             pyt = mcore_to_pyt_state_dict(sd, False)
-            writer = _checksumming_writer(str(checkpoint_dir), kind)
-            dcp.save(pyt, storage_writer=writer,
-                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
-                                              flatten_sharded_tensors=False))
-            digests_out.update(writer.fs.digests)
+            writer = _checksumming_writer(str(checkpoint_dir), kind, thread_count=thread_count,
+                                          limit_bytes_per_s=limit_bytes_per_s)
+
+            def write():
+                import time
+
+                t = time.perf_counter()
+                dcp.save(pyt, storage_writer=writer, process_group=group,
+                         planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                                  flatten_sharded_tensors=False))
+                digests_out.update(writer.fs.digests)
+                if saver is not None:
+                    saver.last["write_s"] = time.perf_counter() - t
+                if after_write is not None:
+                    after_write()
+
+            if saver is None:
+                write()
+            else:
+                saver.start(write)
 
     return K3SaveStrategy()
 
@@ -178,23 +196,21 @@ def _fp32_masters(o) -> dict:
 
 def optimizer_param_states(opt, params) -> tuple[dict, int]:
     """``({param: {state_name: param-shaped fp32 tensor}}, steps)`` for every parameter in ``params``; ``steps``
-    is this rank's largest per-parameter step count (ranks may differ: reduce with MAX).
+    is this rank's largest per-parameter step count (ranks may differ: reduce with MAX). The tensors are the
+    optimizers' own (fp32 already: no copy on the device).
 
-    Knows megatron's FP32Optimizer / Float16OptimizerWithFloat16Params / DistributedOptimizer (in a
-    ChainedOptimizer or alone) and ``megatron_k3.optim.MuonAdamW``. Collective for the distributed optimizer
-    (its DP group)."""
-    import torch.distributed as dist
-
+    Knows megatron's FP32Optimizer / Float16OptimizerWithFloat16Params (in a ChainedOptimizer or alone),
+    ``megatron_k3.optim.MuonAdamW`` and the host-stream offload; the DistributedOptimizer's state is saved per
+    rank by ``_distopt_entries`` instead (no collective)."""
     from megatron_k3.optim import MuonAdamW
 
     out, steps = {}, 0
-    want = set(params)
     for o in _optimizers(opt):
         if hasattr(o, "param_states") and hasattr(o, "load_param_states"):  # megatron_k3.offload host stream
             st = o.param_states()
             for p, n in o._names().items():
                 if n in st["params"]:
-                    out[p] = {k: v.to(p.device) for k, v in st["params"][n].items()}
+                    out[p] = dict(st["params"][n])  # host tensors: written from the host
             steps = max(steps, int(st["step"]))
             continue
         if isinstance(o, MuonAdamW):
@@ -204,46 +220,16 @@ def optimizer_param_states(opt, params) -> tuple[dict, int]:
                     out[p] = {k: v.float() for k, v in _state_tensors(st).items()}
                     steps = max(steps, int(st.get("step", 0)))
             continue
-        if hasattr(o, "model_param_gbuf_map"):  # DistributedOptimizer: flat DP shards -> parameter space
-            mparams = [p for b in o.buffers for p in b.params if p in want]
-            local = {}
-            names: set = set()
-            for p in mparams:
-                if p not in o.model_param_group_index_map:
-                    continue
-                r = o._get_model_param_range_map(p)["param"]
-                tens = o._get_main_param_and_optimizer_states(p)
-                for k, v in tens.items():
-                    if isinstance(v, torch.Tensor) and v.dim() == 0:
-                        steps = max(steps, int(v.item()))
-                local[p] = (r, {k: v for k, v in tens.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
-                names |= set(local[p][1])
-            gl = [None] * dist.get_world_size(o.data_parallel_group)
-            dist.all_gather_object(gl, sorted(names), group=o.data_parallel_group)
-            names = sorted(set().union(*map(set, gl)))
-            full = {p: {n: torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for n in names}
-                    for p in mparams}
-            for p, (r, tens) in local.items():
-                for n, v in tens.items():
-                    full[p][n][r.start:r.end] = v.detach().float().view(-1)
-            if full:
-                flat = torch.cat([full[p][n] for p in mparams for n in names])
-                all_reduce(flat, group=o.data_parallel_group)
-                off = 0
-                for p in mparams:
-                    out[p] = {}
-                    for n in names:
-                        out[p]["master" if n == "param" else n] = flat[off:off + p.numel()].view(p.shape).clone()
-                        off += p.numel()
+        if hasattr(o, "model_param_gbuf_map"):  # DistributedOptimizer: saved per rank (_distopt_entries)
             continue
         inner, masters = o.optimizer, _fp32_masters(o)
         for group in inner.param_groups:
             for q in group["params"]:
                 model_p = masters.get(q, q)
                 st = inner.state.get(q, {})
-                d = {k: v.detach().float().clone() for k, v in _state_tensors(st).items()}
+                d = {k: v.detach().float() for k, v in _state_tensors(st).items()}  # fp32: views, no copy
                 if q is not model_p:
-                    d["master"] = q.detach().float().clone()
+                    d["master"] = q.detach().float()
                 if "step" in st:
                     steps = max(steps, int(float(st["step"])))
                 out[model_p] = d
@@ -288,16 +274,7 @@ def load_optimizer_param_states(opt, states: dict, steps: int):
                     if "exp_avg" in d:
                         st["step"] = steps
             continue
-        if hasattr(o, "model_param_gbuf_map"):
-            for p in o.model_param_group_index_map:
-                d = states.get(p)
-                if not d:
-                    continue
-                r = o._get_model_param_range_map(p)["param"]
-                gi, go = o.model_param_group_index_map[p]
-                main = o.optimizer.param_groups[gi]["params"][go]
-                _restore(main, o.optimizer.state[main], {k: v.reshape(-1)[r.start:r.end] for k, v in d.items()},
-                         steps)
+        if hasattr(o, "model_param_gbuf_map"):  # loaded per rank (load_distopt_states)
             continue
         inner, masters = o.optimizer, _fp32_masters(o)
         for group in inner.param_groups:
@@ -392,20 +369,132 @@ def _set_rng_state(st):
         get_cuda_rng_tracker().set_states(st["tracker"])
 
 
+def flat_range_boxes(shape, start: int, end: int) -> list[tuple]:
+    """The flat (row-major) element range [start, end) of a tensor of ``shape`` as boxes (tuples of slices),
+    each a contiguous range itself: a partial first row, whole middle rows, a partial last row, recursively.
+    A distributed-optimizer shard (a flat range of a parameter) is written as these boxes, each at its
+    global offset in the HF-named tensor, so every rank writes only its own range and any layout reads them."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [(slice(start, end),)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    r0, o0 = divmod(start, inner)
+    r1, o1 = divmod(end, inner)
+    if r0 == r1:
+        return [(slice(r0, r0 + 1),) + b for b in flat_range_boxes(shape[1:], o0, o1)]
+    out = []
+    if o0:
+        out += [(slice(r0, r0 + 1),) + b for b in flat_range_boxes(shape[1:], o0, inner)]
+        r0 += 1
+    if r1 > r0:
+        out.append((slice(r0, r1),) + tuple(slice(0, n) for n in shape[1:]))
+    if o1:
+        out += [(slice(r1, r1 + 1),) + b for b in flat_range_boxes(shape[1:], 0, o1)]
+    return out
+
+
+def _box_flat(box, shape) -> tuple[int, int]:
+    """[start, end) of a contiguous box in the flat index space of ``shape``."""
+    stride, start, n = 1, 0, 1
+    for sl, dim in zip(reversed(box), reversed(shape)):
+        start += sl.start * stride
+        stride *= dim
+        n *= sl.stop - sl.start
+    return start, start + n
+
+
+def _intersect(box, lidx, shape):
+    """``box`` restricted to the local slice ``lidx`` (None if empty)."""
+    out = []
+    for b, l, dim in zip(box, lidx, shape):
+        lo, hi = max(b.start, l.start or 0), min(b.stop, dim if l.stop is None else l.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def _distopt_entries(o, pieces_by_param, hf_shapes, names_by_hf=None):
+    """Distributed optimizer, this rank only: ``(entries, tensors, steps)``. ``entries`` are
+    ``(key, data, global shape, global offset, None)`` boxes of this rank's flat range of every parameter it
+    owns, for each state (``master``: the fp32 main parameter; Adam's ``exp_avg``, ``exp_avg_sq``). Saving
+    (``names_by_hf`` None): ``data`` are views of the optimizer's own tensors (nothing is gathered or copied).
+    Loading: ``data`` are views of new flat buffers, returned in ``tensors`` {param: {state: flat buffer}}
+    for ``load_distopt_states``."""
+    entries, tensors, steps = [], {}, 0
+    for p, pieces in pieces_by_param.items():
+        if p not in o.model_param_group_index_map:
+            continue
+        r = o._get_model_param_range_map(p)["param"]
+        if names_by_hf is None:
+            st = o._get_main_param_and_optimizer_states(p)
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 0:
+                    steps = max(steps, int(v.item()))
+            flat = {("master" if k == "param" else k): v.detach().view(-1) for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0}
+        else:
+            names = sorted({n for hf, _, _ in pieces for n in names_by_hf.get(hf, [])})
+            flat = {n: torch.zeros(r.size, dtype=torch.float32, device=p.device) for n in names}
+        if not flat:
+            continue
+        tensors[p] = flat
+        for box in flat_range_boxes(tuple(p.shape), r.start, r.end):
+            for hf, hidx, lidx in pieces:
+                sub = _intersect(box, lidx, p.shape)
+                if sub is None:
+                    continue
+                a, b = _box_flat(sub, tuple(p.shape))
+                local_shape = tuple(sl.stop - sl.start for sl in sub)
+                off = tuple((h.start or 0) + (x.start - (l.start or 0)) for h, x, l in zip(hidx, sub, lidx))
+                for n, v in flat.items():
+                    entries.append((f"{OPT_PREFIX}{n}.{hf}", v[a - r.start:b - r.start].view(local_shape),
+                                    hf_shapes[hf], off, None))
+    return entries, tensors, steps
+
+
+def load_distopt_states(o, tensors: dict, steps: int):
+    """Write loaded flat shards (``_distopt_entries`` on load) into the distributed optimizer."""
+    for p, flat in tensors.items():
+        gi, go = o.model_param_group_index_map[p]
+        main = o.optimizer.param_groups[gi]["params"][go]
+        _restore(main, o.optimizer.state[main], {k: v.view(main.shape) for k, v in flat.items()}, steps)
+
+
 def _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=True, opt_state_names=None):
-    """(sharded_state_dict, [(hf, param, hidx, lidx)], opt_states, this rank's optimizer steps) for save
-    (``opt_state_names`` None) or load."""
+    """(sharded_state_dict, [(hf, param, hidx, lidx)], opt_states, this rank's optimizer steps, distopt) for save
+    (``opt_state_names`` None) or load. Optimizer state: param-shaped per parameter, except the distributed
+    optimizer's, which is this rank's flat ranges as boxes (``_distopt_entries``; ``distopt``: [(optimizer,
+    {param: {state: flat}})] for the load)."""
     pieces = model_pieces(chunks, tp_rank, hf_shapes)
     entries = []
     for hf, t, hidx, lidx in pieces:
         data = t.data[lidx]
         off, frag = _offsets(hidx, hf_shapes[hf], data.shape, hf)
         entries.append((hf, data, hf_shapes[hf], off, frag))
-    opt_states, steps = {}, 0
+    opt_states, steps, distopt = {}, 0, []
     if with_optimizer and opt is not None:
-        if opt_state_names is None:  # saving: read the optimiser
-            opt_states, steps = optimizer_param_states(opt, [t for _, t, _, _ in pieces if isinstance(t, torch.nn.Parameter)])
+        by_param: dict = {}
         for hf, t, hidx, lidx in pieces:
+            if isinstance(t, torch.nn.Parameter):
+                by_param.setdefault(t, []).append((hf, hidx, lidx))
+        done = set()
+        for o in _optimizers(opt):
+            if hasattr(o, "model_param_gbuf_map"):  # DistributedOptimizer: each rank its own flat ranges
+                ents, tens, st = _distopt_entries(o, by_param, hf_shapes, opt_state_names)
+                entries += ents
+                steps = max(steps, st)
+                distopt.append((o, tens))
+                done |= {p for b in o.buffers for p in b.params}  # all its params: saved by their ranges' owners
+        if opt_state_names is None:  # saving: read the other optimizers' states (param-shaped, in place)
+            opt_states, st = optimizer_param_states(opt, [p for p in by_param if p not in done])
+            steps = max(steps, st)
+        for hf, t, hidx, lidx in pieces:
+            if t in done:
+                continue
             if opt_state_names is None:
                 names = sorted(opt_states.get(t, {}))
             else:  # loading: allocate param-shaped targets for the states the checkpoint has
@@ -417,41 +506,126 @@ def _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=True, opt_sta
                 off, frag = _offsets(hidx, hf_shapes[hf], data.shape, hf)
                 entries.append((f"{OPT_PREFIX}{n}.{hf}", data, hf_shapes[hf], off, frag))
     replica = _owners([(e[0], e[3]) for e in entries])
-    return _sharded(entries, replica), pieces, opt_states, steps
+    return _sharded(entries, replica), pieces, opt_states, steps, distopt
 
 
 # ------------------------------------------------------------------------------------------------------
 # save
 def _all_finite(chunks) -> bool:
-    ok = torch.tensor([1], dtype=torch.int32)
-    for c in chunks:
-        for p in c.parameters():
-            if not bool(torch.isfinite(p.data).all()):
-                ok.zero_()
-                break
+    flags = [torch.isfinite(p.data).all() for c in chunks for p in c.parameters()]
+    ok = torch.stack(flags).all().to(torch.int32).reshape(1).cpu() if flags else torch.ones(1, dtype=torch.int32)
     return bool(all_reduce_host(ok, ReduceOp.MIN).item())
 
 
+class AsyncSaver:
+    """Checkpoint writes in the background, one at a time.
+
+    ``save_checkpoint(..., saver=AsyncSaver())`` returns once this rank's tensors are *staged*: copied into a
+    host buffer (pinned on CUDA, allocated once and reused; the copies are the only device work, so a save
+    needs no extra device memory) and the DCP plan is made. A background thread then writes the staged bytes
+    through the storage writer (O_DIRECT by default) and finalises: size and CRC32 of every file, the metadata
+    file, the rename of ``iter_*.tmp`` and only then ``latest`` (atomicity as for a synchronous save: a crash
+    before the end leaves the previous ``latest`` and an ``iter_*.tmp`` that the next save removes). The
+    thread's collectives run on a gloo process group of their own, beside the training's. ``wait()`` blocks
+    until the write is durable and raises its error, if any; a new save waits for the previous one first,
+    and the trainer waits before it exits (end, ``--exit-interval``, SIGTERM)."""
+
+    def __init__(self):
+        self.thread = None
+        self.error = None
+        self.group = None
+        self.buffer = None
+        self.pending = None  # (step, root) of the write in flight
+        self.last = {}       # timings of the last save: stage_s, write_s, bytes
+
+    def process_group(self):
+        import torch.distributed as dist
+
+        if self.group is None:  # collective: every rank's first save reaches it
+            self.group = dist.new_group(backend="gloo")
+        return self.group
+
+    def stage(self, sd) -> int:
+        """Replace every ShardedTensor's data in ``sd`` by a copy in the host buffer; returns the bytes staged."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        tens = [v for v in sd.values() if isinstance(v, ShardedTensor)]
+        total = sum(-(-t.data.numel() * t.data.element_size() // 64) * 64 for t in tens)
+        cuda = any(t.data.is_cuda for t in tens)
+        if self.buffer is None or self.buffer.numel() < total:
+            self.buffer = None
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+        off = 0
+        for t in tens:
+            n = t.data.numel() * t.data.element_size()
+            dst = self.buffer[off:off + n].view(t.data.dtype).view(t.data.shape)
+            dst.copy_(t.data, non_blocking=cuda)
+            t.data = dst
+            off += -(-n // 64) * 64
+        if cuda:
+            torch.cuda.synchronize()
+        return total
+
+    def start(self, fn):
+        import threading
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001  (reported by wait())
+                self.error = e
+
+        self.error = None
+        self.thread = threading.Thread(target=run, name="k3-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def wait(self):
+        """Block until the write in flight is durable; raise its error (once)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        err, self.error = self.error, None
+        if err is not None:
+            raise err
+
+
 def save_checkpoint(root: str, step: int, chunks, opt, cfg, trainer_state: dict, *, tp_rank: int,
-                    writer: str = "odirect", keep_last: int = 0, hf_shapes: dict | None = None) -> str:
-    """Collective. Writes ``root/iter_<step>`` atomically and switches ``latest``; returns the directory."""
+                    writer: str = "odirect", keep_last: int = 0, hf_shapes: dict | None = None,
+                    saver: AsyncSaver | None = None, thread_count: int = 1, limit_bytes_per_s: float = 0.0) -> str:
+    """Collective. Writes ``root/iter_<step>`` atomically and switches ``latest``; returns the directory. With
+    ``saver`` the write continues in the background after the return (``AsyncSaver``); ``thread_count``:
+    files (and writer threads) per rank."""
     import torch.distributed as dist
 
+    if saver is not None:
+        saver.wait()  # one write at a time
     if not _all_finite(chunks):
         raise CheckpointError(f"refusing to save step {step} to {root}: the weights contain NaN/Inf "
                               "(the previous checkpoint is kept)")
     hf_shapes = hf_shapes or GoldenSkeleton(cfg).shapes
-    sd, pieces, opt_states, steps = _sharded_state(chunks, opt, tp_rank, hf_shapes)
+    sd, pieces, opt_states, steps, distopt = _sharded_state(chunks, opt, tp_rank, hf_shapes)
     state_names = {hf: sorted(opt_states[t]) for hf, t, _, _ in pieces if t in opt_states}
+    for _, tens in distopt:
+        for hf, t, _, _ in pieces:
+            if t in tens:
+                state_names[hf] = sorted(tens[t])
     names_all = [None] * dist.get_world_size()
     dist.all_gather_object(names_all, state_names)
     state_names = {k: v for d in names_all for k, v in d.items()}
     steps = int(all_reduce_host(torch.tensor([steps], dtype=torch.int64), ReduceOp.MAX).item())
     return _write(root, step, sd, cfg, {"optimizer_states": state_names, "optimizer_steps": steps, **trainer_state},
-                  writer=writer, keep_last=keep_last, rng=True)
+                  writer=writer, keep_last=keep_last, rng=True, saver=saver, thread_count=thread_count,
+                  limit_bytes_per_s=limit_bytes_per_s)
 
 
-def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rng=True):
+def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rng=True, saver=None, thread_count=1,
+           limit_bytes_per_s=0.0):
+    import threading
+    import time
+
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -464,13 +638,40 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
         for p in Path(root).glob("iter_*.tmp"):  # leftovers of crashed saves
             shutil.rmtree(p, ignore_errors=True)
         os.makedirs(tmp)
+        tok = (meta_extra.get("tokenizer") or {}).get("path")
+        if tok and os.path.isfile(tok):  # the checkpoint carries its tokenizer (HF export, evaluation)
+            shutil.copyfile(tok, os.path.join(tmp, TOKENIZER_PREFIX + os.path.basename(tok)))
     dist.barrier()
     if rng:
         sd["rng"] = ShardedObject("rng", _rng_state(), (world,), (rank,), replica_id=0)
     digests: dict = {}
-    dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(writer, digests))
-    allg = [None] * world
-    dist.all_gather_object(allg, digests)
+    group = None
+    t0 = time.perf_counter()
+    if saver is not None:
+        group = saver.process_group()
+        nbytes = saver.stage(sd)
+        ready = threading.Event()  # megatron writes metadata.json after the strategy returns: wait for it
+        saver.last = {"stage_s": time.perf_counter() - t0, "bytes": nbytes}
+        strategy = _save_strategy(writer, digests, saver=saver, group=group, thread_count=thread_count,
+                                  limit_bytes_per_s=limit_bytes_per_s, after_write=lambda: (ready.wait(), _finalize(root, step, tmp, final, cfg, meta_extra,
+                                                                                 digests, keep_last, group)))
+        saver.pending = (step, root)
+        dist_checkpointing.save(sd, tmp, sharded_strategy=strategy)
+        ready.set()
+        return final
+    dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(writer, digests, thread_count=thread_count,
+                                                                     limit_bytes_per_s=limit_bytes_per_s))
+    _finalize(root, step, tmp, final, cfg, meta_extra, digests, keep_last, None)
+    return final
+
+
+def _finalize(root, step, tmp, final, cfg, meta_extra, digests, keep_last, group):
+    """After every rank's files are written: sizes and CRC32s, the metadata file, the rename and ``latest``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    allg = [None] * dist.get_world_size()
+    dist.all_gather_object(allg, digests, group=group)
     if rank == 0:
         files = {}
         for d in allg:
@@ -479,8 +680,8 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
             if f not in files:
                 files[f] = _file_crc(os.path.join(tmp, f))
                 _fsync_path(os.path.join(tmp, f))
-        meta = {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": world, "files": files,
-                **meta_extra}
+        meta = {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": dist.get_world_size(),
+                "files": files, **meta_extra}
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
@@ -495,8 +696,7 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
         _write_latest(root, step)
         if keep_last > 0:
             _retain(root, keep_last, step)
-    dist.barrier()
-    return final
+    dist.barrier(group=group)
 
 
 def _write_latest(root, step):
@@ -626,8 +826,8 @@ def load_checkpoint(path, chunks, opt, cfg, *, tp_rank: int, step: int | None = 
     hf_shapes = hf_shapes or GoldenSkeleton(cfg).shapes
     weights_only = bool(meta.get("weights_only"))
     use_opt = load_optim and not weights_only and opt is not None
-    sd, pieces, opt_states, _ = _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=use_opt,
-                                            opt_state_names=meta.get("optimizer_states", {}))
+    sd, pieces, opt_states, _, distopt = _sharded_state(chunks, opt, tp_rank, hf_shapes, with_optimizer=use_opt,
+                                                     opt_state_names=meta.get("optimizer_states", {}))
     rng_ok = load_rng and not weights_only and meta.get("world_size") == world
     if rng_ok:
         sd["rng"] = ShardedObject("rng", None, (world,), (rank,), replica_id=0)
@@ -641,7 +841,10 @@ def load_checkpoint(path, chunks, opt, cfg, *, tp_rank: int, step: int | None = 
                 target.copy_(v)
         # the pieces were loaded into views of the parameters; buffers too (expert bias)
     if use_opt:
-        load_optimizer_param_states(opt, opt_states, int(meta.get("optimizer_steps", meta["step"])))
+        steps = int(meta.get("optimizer_steps", meta["step"]))
+        load_optimizer_param_states(opt, opt_states, steps)
+        for o, tens in distopt:
+            load_distopt_states(o, tens, steps)
     if rng_ok:
         _set_rng_state(loaded["rng"])
     meta["path"] = d
@@ -712,4 +915,7 @@ def read_weights(path, step: int | None = None):
         return out
 
     meta["path"] = d
+    copies = sorted(f for f in os.listdir(d) if f.startswith(TOKENIZER_PREFIX))
+    if copies and meta.get("tokenizer") is not None:  # prefer the checkpoint's own copy (it cannot go missing)
+        meta["tokenizer"] = {**meta["tokenizer"], "path": os.path.join(d, copies[0])}
     return meta, names, get

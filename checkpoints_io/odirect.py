@@ -60,9 +60,11 @@ def odirect_supported(directory: str | os.PathLike) -> bool:
 class ODirectStream(io.RawIOBase):
     """Write-only stream: aligned staging buffer -> O_DIRECT file; ``tell()`` is the logical position."""
 
-    def __init__(self, path, buffer_bytes: int = 64 << 20):
+    def __init__(self, path, buffer_bytes: int = 64 << 20, limit_bytes_per_s: float = 0.0):
         super().__init__()
         self.path = str(path)
+        self.limit = limit_bytes_per_s
+        self.t0 = None
         self.cap = max(ALIGN, buffer_bytes // ALIGN * ALIGN)
         self.buf = mmap.mmap(-1, self.cap)
         self.view = memoryview(self.buf)
@@ -86,6 +88,14 @@ class ODirectStream(io.RawIOBase):
         done = 0
         while done < n:
             done += os.write(self.fd, self.view[done:n])
+        if self.limit > 0:  # hold the average rate at the cap
+            import time
+
+            now = time.monotonic()
+            self.t0 = self.t0 if self.t0 is not None else now
+            ahead = (self.pos + self.fill) / self.limit - (now - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
 
     def write(self, data) -> int:
         mv = memoryview(data).cast("B")
@@ -123,9 +133,10 @@ class ODirectStream(io.RawIOBase):
 
 
 class ODirectFileSystem(FileSystem):
-    def __init__(self, buffer_bytes: int = 64 << 20):
+    def __init__(self, buffer_bytes: int = 64 << 20, limit_bytes_per_s: float = 0.0):
         super().__init__()
         self.buffer_bytes = buffer_bytes
+        self.limit = limit_bytes_per_s
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -134,7 +145,7 @@ class ODirectFileSystem(FileSystem):
                 yield s
             return
         try:
-            stream = ODirectStream(path, self.buffer_bytes)
+            stream = ODirectStream(path, self.buffer_bytes, self.limit)
         except OSError as e:  # EINVAL: this file system refuses O_DIRECT
             _warn_once(str(Path(path).parent), f"O_DIRECT not supported for {Path(path).parent} ({e.strerror}); "
                                                "falling back to buffered writes")
@@ -150,14 +161,16 @@ class ODirectFileSystem(FileSystem):
 class ODirectFileSystemWriter(FileSystemWriter):
     """``FileSystemWriter`` whose files are written with O_DIRECT (see the module docstring)."""
 
-    def __init__(self, path, *args, buffer_bytes: int = 64 << 20, **kwargs):
+    def __init__(self, path, *args, buffer_bytes: int = 64 << 20, limit_bytes_per_s: float = 0.0, **kwargs):
         super().__init__(path, *args, **kwargs)
-        self.fs = ODirectFileSystem(buffer_bytes)
+        self.fs = ODirectFileSystem(buffer_bytes, limit_bytes_per_s)
         self.path = self.fs.init_path(path)
 
 
-def make_writer(path, kind: str = "odirect", **kwargs):
-    """``--ckpt-writer odirect|buffered``: odirect where the file system supports it (else buffered + warning)."""
+def make_writer(path, kind: str = "odirect", limit_bytes_per_s: float = 0.0, **kwargs):
+    """``--ckpt-writer odirect|buffered``: odirect where the file system supports it (else buffered + warning).
+    ``limit_bytes_per_s`` caps each O_DIRECT stream's average write rate (0: none; the buffered writer has no
+    cap)."""
     if kind == "buffered":
         return FileSystemWriter(path, **kwargs)
     if kind != "odirect":
@@ -166,4 +179,4 @@ def make_writer(path, kind: str = "odirect", **kwargs):
     if not odirect_supported(path):
         _warn_once(str(path), f"O_DIRECT not supported under {path}; using the buffered writer")
         return FileSystemWriter(path, **kwargs)
-    return ODirectFileSystemWriter(path, **kwargs)
+    return ODirectFileSystemWriter(path, limit_bytes_per_s=limit_bytes_per_s, **kwargs)

@@ -4,11 +4,15 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+
+from megatron_k3.launch_env import free_port
 
 TRAIN = ["--config", "configs/k3-tiny-cpu.yaml", "--micro-batch-size", "2", "--global-batch-size", "4",
          "--wandb-mode", "disabled", "--log-interval", "1"]
@@ -20,12 +24,12 @@ def _env(root):
     return env
 
 
-def run(root, *args, nproc=1, port=29720, check=True):
+def run(root, *args, nproc=1, check=True):
     if nproc == 1:
         cmd = [sys.executable, os.path.join(root, "launchers", "pretrain_k3.py")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(port), os.path.join(root, "launchers", "pretrain_k3.py")]
+               str(free_port()), os.path.join(root, "launchers", "pretrain_k3.py")]
     r = subprocess.run(cmd + TRAIN + [str(a) for a in args], capture_output=True, text=True, timeout=600,
                        env=_env(root), cwd=root)
     if check:
@@ -71,7 +75,7 @@ def tp2pp2(root, tmp_path_factory):
     """6 steps at TP2 x PP2 (4 ranks), checkpoints at 3 and 6."""
     d = tmp_path_factory.mktemp("tp2pp2")
     run(root, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--train-iters", 6,
-        "--save", d / "ckpt", "--save-interval", 3, "--run-dir", d / "run", nproc=4, port=29721)
+        "--save", d / "ckpt", "--save-interval", 3, "--run-dir", d / "run", nproc=4)
     return d
 
 
@@ -84,7 +88,7 @@ def test_reshard_tp2pp2_checkpoint(root, tp2pp2, tmp_path, layout):
     copy_upto(tp2pp2 / "ckpt", tmp_path / "ckpt", 3)
     nproc = 2 if "--expert-model-parallel-size" in layout else 1
     r = run(root, *layout, "--train-iters", 6, "--load", tmp_path / "ckpt", "--run-dir", tmp_path / "run",
-            nproc=nproc, port=29722)
+            nproc=nproc)
     assert "resumed from" in r.stdout and "at step 3" in r.stdout
     ref, got = losses(tp2pp2 / "run"), losses(tmp_path / "run")
     assert sorted(got) == [4, 5, 6]
@@ -100,10 +104,10 @@ def test_resume_bit_exact_dp2(root, tmp_path, opt):
     for bit (distributed optimizer shards / Muon state, loader position, balancing bias, RNG)."""
     a, b = tmp_path / "a", tmp_path / "b"
     run(root, *opt, "--train-iters", 6, "--save", a / "ckpt", "--save-interval", 3, "--run-dir", a,
-        "--export-weights", "w.pt", nproc=2, port=29723)
+        "--export-weights", "w.pt", nproc=2)
     copy_upto(a / "ckpt", b / "ckpt", 3)
     run(root, *opt, "--train-iters", 6, "--load", b / "ckpt", "--save", b / "ckpt", "--run-dir", b,
-        "--export-weights", "w.pt", nproc=2, port=29724)
+        "--export-weights", "w.pt", nproc=2)
     la, lb = losses(a), losses(b)
     assert sorted(lb) == [4, 5, 6] and all(la[s] == lb[s] for s in lb), (la, lb)
     assert_same_weights(a / "w.pt", b / "w.pt")
@@ -333,3 +337,46 @@ def test_resolve_ignores_leftovers_of_an_unfinished_first_save(tmp_path):
     (tmp_path / "iter_0000002").mkdir()
     with pytest.raises(CheckpointError, match="holds checkpoint directories"):
         resolve(tmp_path)
+
+
+@pytest.mark.parametrize("layout,nproc", [([], 2), (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4)],
+                         ids=["dp2", "tp2xdp2"])
+def test_distributed_optimizer_save_and_load_move_no_state(root, layout, nproc):
+    """With the distributed optimizer each rank writes and reads only its own flat ranges of the optimizer
+    state (boxes at their global offsets under the HF names): every tensor collective during the save and the
+    load carries at most a few numbers (the rest are pickled plans and metadata), where the previous format
+    all-reduced the whole optimizer state over the data-parallel group; the loaded weights are the saved ones."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), os.path.join(root, "tests", "helpers", "ckpt_collectives_check.py"), *layout,
+           "--global-batch-size", str(2 * nproc)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(root), cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = [json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines() if "RESULT " in line]
+    assert len(res) == nproc
+    for x in res:
+        assert x["optimizer_state_elems"] > 100_000 and x["n_save"] > 0 and x["n_load"] > 0, x
+        assert x["max_numbers_save"] <= 16 and x["max_numbers_load"] <= 16, x
+        assert x["weights_unchanged"], x
+
+
+def test_kill9_during_async_write_keeps_previous_checkpoint(root, tmp_path):
+    """The background write of step 4 is slowed (--ckpt-write-limit-mbps) and the trainer is SIGKILLed while
+    it runs: ``latest`` still names step 2, no iter_0000004 exists (only its .tmp), and a new run resumes
+    from step 2."""
+    ck = tmp_path / "ck"
+    args = ["--train-iters", "8", "--save", ck, "--load", ck, "--save-interval", "2", "--ckpt-write-limit-mbps", "0.5",
+            "--run-dir", tmp_path / "run"]
+    cmd = [sys.executable, os.path.join(root, "launchers", "pretrain_k3.py")] + TRAIN + [str(a) for a in args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(root), cwd=root)
+    tracker, tmp4 = ck / "latest_checkpointed_iteration.txt", ck / "iter_0000004.tmp"
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if tracker.exists() and tracker.read_text().strip() == "2" and tmp4.is_dir() and any(tmp4.glob("*.distcp")):
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "the run ended before the write of step 4 could be interrupted"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert tracker.read_text().strip() == "2" and not (ck / "iter_0000004").exists()
+    r = run(root, "--train-iters", 3, "--load", ck, "--run-dir", tmp_path / "run2")
+    assert "resumed from" in r.stdout and "at step 2" in r.stdout

@@ -323,3 +323,35 @@ def test_remote_code_rewrites_every_relative_import():
                              re.MULTILINE):
             target = m.group(2) or m.group(3).split(" as ")[0].strip()
             assert target in shipped, (src, m.group(0))
+
+
+def test_export_of_a_data_path_run_ships_its_tokenizer_and_evaluates(root, tmp_path):
+    """A run given only ``--data-path`` (the store made by tools/prepare_data.py carries its tokenizer): the
+    checkpoint keeps a copy of the tokenizer, so even with the original file gone the HF export ships it,
+    transformers loads it, and eval_hellaswag runs on the export without extra flags."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(open(os.path.join(root, "data", "README.md")).read() * 30)
+    tok = tmp_path / "mytok.json"
+    tool(root, "train_tokenizer.py", "--input", corpus, "--vocab-size", 300, "--output", tok)
+    store = tmp_path / "store.zarr"
+    r = subprocess.run([sys.executable, "-m", "megatron_k3", "prepare-data", "--input", str(corpus), "--tokenizer",
+                        str(tok), "--output", str(store)], capture_output=True, text=True, timeout=600,
+                       env=_env(root), cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "launchers/pretrain_k3.py", "--data-path", str(store), "--train-iters", "2",
+                        "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "64", "--save", str(ck),
+                        "--run-dir", str(tmp_path / "run"), "--wandb-mode", "disabled"],
+                       capture_output=True, text=True, timeout=600, env=_env(root), cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    tok.unlink()  # the original is gone: the export must use the checkpoint's own copy
+    out = tmp_path / "hf"
+    tool(root, "convert_to_hf.py", "--checkpoint", ck, "--output", out, "--no-progress")
+    exp = json.loads((out / "k3_export.json").read_text())
+    assert exp["tokenizer"]["shipped"] == {"file": "tokenizer.json", "from": "tokenizer-mytok.json"}
+    assert (out / "tokenizer.json").read_bytes() == (store / "tokenizer" / "mytok.json").read_bytes()
+    assert oct(os.stat(next(out.glob("*.safetensors"))).st_mode & 0o777) != "0o600"  # usual permissions
+    r = tool(root, "eval_hellaswag.py", "--model", out, "--data", "data/hellaswag/sample.jsonl", "--limit", "4",
+             "--json", "--no-progress")
+    assert json.loads(r.stdout[r.stdout.index("{"):])["n"] == 4

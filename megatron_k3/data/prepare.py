@@ -43,8 +43,33 @@ def prepare(inputs, tokenizer_path, output, workers=None, text_field="text", pro
             bar.update(f.stat().st_size)
     bar.close()
     man = writer.close(sources)
+    ship_tokenizer(tokenizer_path, output)
     man["store_bytes"] = store_size_bytes(output)
     return man
+
+
+def ship_tokenizer(tokenizer_path, store) -> str:
+    """A copy of the tokenizer file inside the store (``STORE/tokenizer/<name>``): a run given only
+    ``--data-path`` trains with it, records it, and its checkpoints and HF exports carry it."""
+    import os
+    import shutil
+
+    d = os.path.join(str(store), "tokenizer")
+    os.makedirs(d, exist_ok=True)
+    dst = os.path.join(d, os.path.basename(str(tokenizer_path)))
+    shutil.copyfile(tokenizer_path, dst)
+    return dst
+
+
+def store_tokenizer(store) -> str | None:
+    """The tokenizer file a store carries (``ship_tokenizer``), or None (stores made before it)."""
+    import os
+
+    d = os.path.join(str(store), "tokenizer")
+    if not os.path.isdir(d):
+        return None
+    files = sorted(f for f in os.listdir(d) if f.endswith((".json", ".model", ".tiktoken")))
+    return os.path.join(d, files[0]) if files else None
 
 
 @friendly_errors

@@ -121,6 +121,11 @@ class CheckpointSection:
     ckpt_writer: str = F("odirect", "DCP storage writer: O_DIRECT (falls back to buffered with a warning where "
                                     "unsupported) or buffered", choices=("odirect", "buffered"))
     ckpt_keep_last: int = F(0, "keep only the newest N checkpoints (0: keep all)")
+    async_save: bool = F(True, "stage the checkpoint in host memory and write it in the background while training "
+                               "goes on (latest moves only once every rank's files are durable)")
+    ckpt_write_threads: int = F(4, "writer threads (and files) per rank and checkpoint")
+    ckpt_write_limit_mbps: float = F(0.0, "cap each writer thread's write rate, MB/s (0: no cap), to leave a shared "
+                                          "file system's bandwidth to the data loader")
     no_load_optim: bool = F(False, "with --load: weights only; fresh optimizer")
     no_load_rng: bool = F(False, "with --load: do not restore the RNG states")
 

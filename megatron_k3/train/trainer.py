@@ -242,6 +242,7 @@ class Trainer:
         self.loader = self.log = None
         self._stop = None
         self._built = False
+        self.saver, self._pending_save, self.save_stalls = None, None, []
 
     # -- setup ---------------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -265,6 +266,10 @@ class Trainer:
             raise ConfigError(f"the token store's tokenizer has {tvocab} ids but the model's vocabulary is "
                               f"{self.cfg.vocab_size}: token ids would fall outside the embedding")
         self.tokenizer_identity = dict(manifest["tokenizer"])
+        if not d.tokenizer_model:  # the store's own copy of its tokenizer (tools/prepare_data.py ships one)
+            from ..data.prepare import store_tokenizer
+
+            d.tokenizer_model = store_tokenizer(d.data_path)
         if d.tokenizer_model:
             tok = load_tokenizer(d.tokenizer_model)
             self.tokenizer_identity = {**tok.identity(), "path": os.path.abspath(str(tok.path))}
@@ -528,8 +533,15 @@ class Trainer:
                   f"metrics: {os.path.join(self.job.logging.run_dir, 'metrics.jsonl')}", flush=True)
 
     def close(self, destroy_process_group: bool = True) -> None:
-        """Stop the data thread, close the metrics, release the model, its graphs, megatron's parallel state
-        and (unless told not to: the benchmark's baselines use it) the process group. Idempotent."""
+        """Wait for a checkpoint still being written, stop the data thread, close the metrics, release the
+        model, its graphs, megatron's parallel state and (unless told not to: the benchmark's baselines use
+        it) the process group. Idempotent."""
+        try:
+            self.wait_for_save()
+        finally:
+            self._close(destroy_process_group)
+
+    def _close(self, destroy_process_group: bool) -> None:
         if self.loader is not None:
             self.loader.close()
         if self.rank == 0 and self.log is not None:
@@ -590,33 +602,73 @@ class Trainer:
                 "balancing": self.job.optim.moe_router_load_balancing_type}
 
     def save(self, step: int) -> str:
-        """Save step ``step``; a failed save (disk full, ...) is one ``RunError`` line that names the step and
-        the checkpoint ``latest`` still names (the save writes into ``iter_*.tmp`` and switches last)."""
+        """Save step ``step``: staged and written in the background with ``--async-save`` (the default; the
+        next save and the exit wait for it), else written before returning. A failed save (disk full, ...) is
+        one ``RunError`` line that names the step and the checkpoint ``latest`` still names (the save writes
+        into ``iter_*.tmp`` and switches last)."""
         from megatron.core import parallel_state as ps
+
+        from checkpoints_io.k3ckpt import AsyncSaver, save_checkpoint
+
+        c = self.job.checkpoint
+        if c.async_save and self.saver is None:
+            self.saver = AsyncSaver()
+        self.wait_for_save()  # one write at a time (raises the previous write's error)
+        t = time.perf_counter()
+        with self._save_errors(step):
+            path = save_checkpoint(c.save, step, self.chunks, self.opt, self.cfg, self._trainer_state(),
+                                   tp_rank=ps.get_tensor_model_parallel_rank(), writer=c.ckpt_writer,
+                                   keep_last=c.ckpt_keep_last, hf_shapes=self.shapes,
+                                   saver=self.saver if c.async_save else None, thread_count=c.ckpt_write_threads,
+                                   limit_bytes_per_s=c.ckpt_write_limit_mbps * 1e6)
+        stall = time.perf_counter() - t
+        self.save_stalls.append(stall)
+        if c.async_save:
+            self._print(f"[pretrain] step {step}: checkpoint staged in {stall:.2f} s, writing {path} in the background")
+            self._pending_save = (step, path, time.perf_counter())
+        else:
+            self._print(f"[pretrain] saved step {step} to {path} in {stall:.2f} s")
+        return path
+
+    def wait_for_save(self) -> None:
+        """Block until the background checkpoint write (if any) is durable; a failed write is a ``RunError``."""
+        if self.saver is None or self._pending_save is None:
+            return
+        step, path, t = self._pending_save
+        self._pending_save = None
+        with self._save_errors(step):
+            self.saver.wait()
+        self._print(f"[pretrain] saved step {step} to {path} ({time.perf_counter() - t:.1f} s in the background)")
+
+    def _save_errors(self, step: int):
+        """A context that turns a failed save of ``step`` into one ``RunError`` line."""
+        import contextlib
 
         from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
-        from checkpoints_io.k3ckpt import CheckpointError, latest_step, save_checkpoint
+        from checkpoints_io.k3ckpt import CheckpointError, latest_step
 
         from ..cli import RunError
 
-        c = self.job.checkpoint
-        t = time.time()
-        try:
-            path = save_checkpoint(c.save, step, self.chunks, self.opt, self.cfg, self._trainer_state(),
-                                   tp_rank=ps.get_tensor_model_parallel_rank(), writer=c.ckpt_writer,
-                                   keep_last=c.ckpt_keep_last, hf_shapes=self.shapes)
-        except CheckpointError:
-            raise
-        except (Exception, DCPException) as e:  # noqa: BLE001  (DCP wraps the writer's OSError in a BaseException)
+        save_dir = self.job.checkpoint.save
+
+        @contextlib.contextmanager
+        def ctx():
             try:
-                prev = latest_step(c.save)
+                yield
             except CheckpointError:
-                prev = None
-            kept = f"latest still names step {prev} (intact)" if prev is not None else "no earlier checkpoint exists"
-            raise RunError(f"saving step {step} to {c.save} failed: {root_cause(e)}; nothing was replaced: {kept}") from e
-        self._print(f"[pretrain] saved step {step} to {path} in {time.time() - t:.2f} s")
-        return path
+                raise
+            except (Exception, DCPException) as e:  # noqa: BLE001  (DCP wraps the writer's OSError in a BaseException)
+                try:
+                    prev = latest_step(save_dir)
+                except CheckpointError:
+                    prev = None
+                kept = (f"latest still names step {prev} (intact)" if prev is not None
+                        else "no earlier checkpoint exists")
+                raise RunError(f"saving step {step} to {save_dir} failed: {root_cause(e)}; nothing was replaced: "
+                               f"{kept}") from e
+
+        return ctx()
 
     def _resume(self):
         """Load ``--load``'s latest checkpoint; returns (start step, consumed tokens)."""
