@@ -1,8 +1,20 @@
 #!/usr/bin/env python3
-"""Checkpoint save benchmark: O_DIRECT vs buffered DCP writer, throughput and page-cache growth.
+"""Checkpoint save benchmarks.
 
     python tools/bench_checkpoint.py --size-gib 1 --dir /path/on/target/fs [--json out.json]
+    python tools/bench_checkpoint.py --trainer --dir /local/disk --json out.json -- --preset k3-mini --bf16 \
+        --micro-batch-size 8 --global-batch-size 32 --seq-length 4096 --cuda-graph-impl local   # trainer flags
 
+``--trainer``: the trainer's own save (``Trainer.save``) of a model built from the trainer flags after a few
+steps, three ways in one process: (1) asynchronous (``--async-save``, the default: staged into host memory,
+written in the background through the O_DIRECT writer with ``--ckpt-write-threads`` threads) while training
+goes on: the loop's stall (what ``save`` blocks for), the background write's time and bandwidth, the steps'
+times during the write, and the extra device memory of the save (peak allocated minus before); (2) the same
+save again (the host buffer reused); (3) a synchronous save through PyTorch DCP's stock ``FileSystemWriter``
+(one thread, buffered), the same-run baseline; plus the disk's own O_DIRECT write bandwidth (``raw_disk``:
+aligned 64 MiB writes of 4 GiB, fsync) for reference.
+
+Without ``--trainer``: a writer micro-benchmark.
 For each writer: builds a state dict of fp32 tensors totalling ``--size-gib``, saves it with
 ``torch.distributed.checkpoint.save`` (single process), and reports wall time, GB/s, the growth of
 ``Cached`` in /proc/meminfo across the save, and the bytes of the checkpoint's own files in the page cache
@@ -60,13 +72,128 @@ def resident_bytes(directory) -> int:
     return total
 
 
+def raw_odirect_bandwidth(directory, gib: float = 4.0, block_mib: int = 64) -> dict:
+    """The disk's own O_DIRECT write bandwidth: ``gib`` GiB in aligned ``block_mib`` MiB writes, fsync."""
+    import mmap
+
+    path = os.path.join(directory, f".raw-odirect-{os.getpid()}")
+    buf = mmap.mmap(-1, block_mib << 20)
+    buf.write(os.urandom(1 << 20) * block_mib)
+    n = int(gib * 1024 / block_mib)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    t = time.perf_counter()
+    try:
+        for _ in range(n):
+            os.write(fd, buf)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        buf.close()
+    dt = time.perf_counter() - t
+    os.unlink(path)
+    return {"bytes": n * (block_mib << 20), "seconds": dt, "GB_per_s": n * (block_mib << 20) / dt / 1e9}
+
+
+def dir_bytes(d) -> int:
+    return sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(d) for f in fs)
+
+
+def trainer_bench(base: str, flags: list[str], steps_during: int = 6) -> dict:
+    """The trainer's own save, asynchronous and synchronous (module docstring)."""
+    from megatron_k3.train.config import parse
+    from megatron_k3.train.trainer import Trainer
+
+    job = parse(flags + ["--wandb-mode", "disabled", "--lr-warmup-fraction", "0"])
+    job.checkpoint.save = os.path.join(base, "trainer_ckpt")
+    shutil.rmtree(job.checkpoint.save, ignore_errors=True)
+    t = Trainer(job).setup()
+    cuda = t.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
+    step = 0
+
+    def train(n):
+        times = []
+        nonlocal step
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            t.train_step(t.loader.next_step(), t.lr_at(step))
+            sync()
+            times.append(time.perf_counter() - t0)
+            step += 1
+        return times
+
+    warm = train(4)
+    out = {"flags": flags, "warm_step_times_s": warm, "async": []}
+    for k in range(2):  # the first save allocates the host staging buffer; the second reuses it
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        t0 = time.perf_counter()
+        t.save(step)
+        stall = time.perf_counter() - t0
+        peak_extra = (torch.cuda.max_memory_allocated() - before) if cuda else None
+        during = train(steps_during)
+        t1 = time.perf_counter()
+        t.wait_for_save()
+        waited = time.perf_counter() - t1
+        path = os.path.join(job.checkpoint.save, f"iter_{step - steps_during:07d}")
+        nbytes = dir_bytes(path)
+        w = t.saver.last
+        out["async"].append({"step": step - steps_during, "stall_s": stall, "stage_s": w.get("stage_s"),
+                             "write_s": w.get("write_s"), "bytes": nbytes, "GB_per_s": nbytes / w["write_s"] / 1e9,
+                             "staged_bytes": w.get("bytes"), "extra_device_memory_bytes": peak_extra,
+                             "step_times_during_write_s": during, "waited_after_steps_s": waited,
+                             "threads": job.checkpoint.ckpt_write_threads, "writer": job.checkpoint.ckpt_writer})
+        shutil.rmtree(path, ignore_errors=True)
+    # the same-run baseline: a synchronous save through DCP's stock writer, one thread
+    job.checkpoint.async_save, job.checkpoint.ckpt_writer, job.checkpoint.ckpt_write_threads = False, "buffered", 1
+    t0 = time.perf_counter()
+    p = t.save(step)
+    dt = time.perf_counter() - t0
+    nbytes = dir_bytes(p)
+    out["stock_dcp_sync"] = {"stall_s": dt, "bytes": nbytes, "GB_per_s": nbytes / dt / 1e9,
+                             "writer": "torch.distributed.checkpoint.FileSystemWriter (buffered), 1 thread, synchronous"}
+    shutil.rmtree(job.checkpoint.save, ignore_errors=True)
+    t.close()
+    return out
+
+
 def main():
+    argv = sys.argv[1:]
+    flags = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, flags = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir next to this repo)")
     ap.add_argument("--tensors", type=int, default=32)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--trainer", action="store_true", help="benchmark the trainer's own save (trainer flags after --)")
+    ap.add_argument("--raw-gib", type=float, default=4.0, help="size of the raw O_DIRECT disk measurement")
+    args = ap.parse_args(argv)
+    if args.trainer:
+        import datetime
+
+        base = args.dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".bench_ckpt")
+        os.makedirs(base, exist_ok=True)
+        rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "command": " ".join(["python", "tools/bench_checkpoint.py"] + sys.argv[1:]), "dir": base,
+               "raw_disk_odirect": raw_odirect_bandwidth(base, args.raw_gib)}
+        rep["trainer_save"] = trainer_bench(base, flags)
+        a = rep["trainer_save"]["async"][-1]
+        rep["summary"] = {"stall_s": [x["stall_s"] for x in rep["trainer_save"]["async"]],
+                          "write_GB_per_s": a["GB_per_s"],
+                          "write_vs_raw_disk": a["GB_per_s"] / rep["raw_disk_odirect"]["GB_per_s"],
+                          "stock_dcp_sync_s": rep["trainer_save"]["stock_dcp_sync"]["stall_s"]}
+        txt = json.dumps(rep, indent=1)
+        print(txt)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(txt + "\n")
+        return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
