@@ -49,6 +49,12 @@ from megatron_k3.megatron.collectives import ReduceOp, all_reduce_host
 from megatron_k3.model import hf_shapes as model_hf_shapes
 from megatron_k3.model.init import GoldenSkeleton
 
+import logging  # noqa: E402
+
+# torch's checkpoint telemetry logger records every planned item at DEBUG (tens of thousands of records per
+# save, ~10% of a save's host time); its handler discards them anyway
+logging.getLogger("c10d-NullHandler-dcp_logger").setLevel(logging.WARNING)
+
 FORMAT = "megatron-k3/1"
 LATEST = "latest_checkpointed_iteration.txt"
 META = "k3_checkpoint.json"
@@ -299,15 +305,25 @@ def _offsets(hidx, gshape, lshape, key):
 
 
 def model_pieces(chunks, tp_rank: int, hf_shapes: dict):
-    """[(hf_name, param_or_buffer, hf_index, local_index)] for every local tensor of ``chunks``."""
+    """[(hf_name, param_or_buffer, hf_index, local_index)] for every local tensor of ``chunks`` (found once per
+    chunk list: a built model's structure does not change)."""
     from megatron_k3.megatron import adapter
 
+    key = (tuple(id(c) for c in chunks), tp_rank)
+    hit = _PIECES.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], chunks)):
+        return hit[1]
     out = []
     for c in chunks:
         for name, t in adapter._named_tensors(c).items():
             for hf, hidx, lidx in adapter.pieces(c, name, t, tp_rank, hf_shapes):
                 out.append((hf, t, hidx, lidx))
+    _PIECES.clear()  # one model at a time
+    _PIECES[key] = (list(chunks), out)
     return out
+
+
+_PIECES: dict = {}
 
 
 def _owners(entries):
@@ -536,6 +552,7 @@ class AsyncSaver:
         self.group = None
         self.buffer = None
         self.pending = None  # (step, root) of the write in flight
+        self.validated = None  # signature of the last sharding megatron validated
         self.last = {}       # timings of the last save: stage_s, write_s, bytes
 
     def process_group(self):
@@ -545,25 +562,44 @@ class AsyncSaver:
             self.group = dist.new_group(backend="gloo")
         return self.group
 
+    def reserve(self, nbytes: int, cuda: bool) -> None:
+        """Allocate the host buffer (``nbytes``; pinned on CUDA) in a background thread, so that page-locking
+        tens of GB does not stall the first save (the trainer calls this after its setup with an estimate)."""
+        import threading
+
+        def alloc():
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+
+        self._reserving = threading.Thread(target=alloc, name="k3-checkpoint-buffer", daemon=True)
+        self._reserving.start()
+
     def stage(self, sd) -> int:
-        """Replace every ShardedTensor's data in ``sd`` by a copy in the host buffer; returns the bytes staged."""
+        """Replace the data of every ShardedTensor this rank writes (main replicas) in ``sd`` by a copy in the
+        host buffer; returns the bytes staged. Each copy is handed on as a tensor whose storage is exactly its
+        bytes (``torch.frombuffer`` over the buffer), so DCP's writer takes it as it is, without a clone."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        tens = [v for v in sd.values() if isinstance(v, ShardedTensor)]
+        if getattr(self, "_reserving", None) is not None:
+            self._reserving.join()
+            self._reserving = None
+        tens = [v for v in sd.values() if isinstance(v, ShardedTensor) and v.replica_id == 0]
         total = sum(-(-t.data.numel() * t.data.element_size() // 64) * 64 for t in tens)
         cuda = any(t.data.is_cuda for t in tens)
         if self.buffer is None or self.buffer.numel() < total:
             self.buffer = None
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-        off = 0
+        mv = memoryview(self.buffer.numpy())
+        off, out = 0, []
         for t in tens:
             n = t.data.numel() * t.data.element_size()
-            dst = self.buffer[off:off + n].view(t.data.dtype).view(t.data.shape)
-            dst.copy_(t.data, non_blocking=cuda)
-            t.data = dst
+            self.buffer[off:off + n].view(t.data.dtype).view(t.data.shape).copy_(t.data, non_blocking=cuda)
+            out.append((t, torch.frombuffer(mv[off:off + n], dtype=t.data.dtype).view(t.data.shape) if n
+                        else torch.empty(t.data.shape, dtype=t.data.dtype)))
             off += -(-n // 64) * 64
         if cuda:
             torch.cuda.synchronize()
+        for t, staged in out:
+            t.data = staged
         return total
 
     def start(self, fn):
@@ -638,9 +674,6 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
         for p in Path(root).glob("iter_*.tmp"):  # leftovers of crashed saves
             shutil.rmtree(p, ignore_errors=True)
         os.makedirs(tmp)
-        tok = (meta_extra.get("tokenizer") or {}).get("path")
-        if tok and os.path.isfile(tok):  # the checkpoint carries its tokenizer (HF export, evaluation)
-            shutil.copyfile(tok, os.path.join(tmp, TOKENIZER_PREFIX + os.path.basename(tok)))
     dist.barrier()
     if rng:
         sd["rng"] = ShardedObject("rng", _rng_state(), (world,), (rank,), replica_id=0)
@@ -656,7 +689,14 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
                                   limit_bytes_per_s=limit_bytes_per_s, after_write=lambda: (ready.wait(), _finalize(root, step, tmp, final, cfg, meta_extra,
                                                                                  digests, keep_last, group)))
         saver.pending = (step, root)
-        dist_checkpointing.save(sd, tmp, sharded_strategy=strategy)
+        # megatron checks the sharding (every shard covered once) with a gather of all shards' metadata: once
+        # per structure; a later save of the same keys and offsets on every rank skips it
+        sig = hash(tuple(sorted((k, tuple(getattr(v, "global_offset", ()))) for k, v in sd.items())))
+        from megatron_k3.megatron.collectives import agree_all
+
+        same = agree_all(sig == saver.validated, group=group)
+        dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, validate_access_integrity=not same)
+        saver.validated = sig
         ready.set()
         return final
     dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(writer, digests, thread_count=thread_count,
@@ -673,6 +713,9 @@ def _finalize(root, step, tmp, final, cfg, meta_extra, digests, keep_last, group
     allg = [None] * dist.get_world_size()
     dist.all_gather_object(allg, digests, group=group)
     if rank == 0:
+        tok = (meta_extra.get("tokenizer") or {}).get("path")
+        if tok and os.path.isfile(tok):  # the checkpoint carries its tokenizer (HF export, evaluation)
+            shutil.copyfile(tok, os.path.join(tmp, TOKENIZER_PREFIX + os.path.basename(tok)))
         files = {}
         for d in allg:
             files.update(d)

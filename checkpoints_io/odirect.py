@@ -15,6 +15,7 @@ checkpoint size.
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import os
@@ -26,6 +27,15 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 ALIGN = 4096
 _warned: set = set()
+
+
+def _memmove(dst: int, src: memoryview, n: int) -> None:
+    """Copy ``n`` bytes of ``src`` to address ``dst`` without holding the GIL (ctypes releases it), so several
+    writer threads copy in parallel and the training thread is not held up."""
+    if src.readonly:
+        ctypes.memmove(dst, bytes(src), n)
+        return
+    ctypes.memmove(dst, (ctypes.c_char * n).from_buffer(src), n)
 
 
 def _warn_once(key, msg):
@@ -68,6 +78,7 @@ class ODirectStream(io.RawIOBase):
         self.cap = max(ALIGN, buffer_bytes // ALIGN * ALIGN)
         self.buf = mmap.mmap(-1, self.cap)
         self.view = memoryview(self.buf)
+        self._dst = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
         self.fill = 0
         self.pos = 0
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -103,7 +114,10 @@ class ODirectStream(io.RawIOBase):
         off = 0
         while off < n:
             k = min(self.cap - self.fill, n - off)
-            self.view[self.fill:self.fill + k] = mv[off:off + k]
+            if k >= 1 << 16:  # large copies through ctypes.memmove, which releases the GIL
+                _memmove(self._dst + self.fill, mv[off:off + k], k)
+            else:
+                self.view[self.fill:self.fill + k] = mv[off:off + k]
             self.fill += k
             off += k
             if self.fill == self.cap:
@@ -128,7 +142,11 @@ class ODirectStream(io.RawIOBase):
         finally:
             os.close(self.fd)
             self.view.release()
-            self.buf.close()
+            self._dst = None
+            try:
+                self.buf.close()
+            except BufferError:  # the ctypes view of the buffer still exists: the mapping goes with the stream
+                pass
             super().close()
 
 

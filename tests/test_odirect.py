@@ -42,7 +42,7 @@ def test_dcp_files_load_with_stock_reader(tmp_path):
 
 
 def test_falls_back_when_odirect_refused(tmp_path, monkeypatch):
-    def refuse(self, path, buffer_bytes=0):
+    def refuse(self, *args, **kwargs):
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(ODirectStream, "__init__", refuse)

@@ -107,9 +107,13 @@ class _LazyShapes:
 
     def __init__(self, skeleton: GoldenSkeleton):
         self.sk = skeleton
+        self.cache: dict = {}
 
     def __getitem__(self, hf_name: str):
-        return self.sk.tensor(hf_name).shape
+        s = self.cache.get(hf_name)
+        if s is None:
+            s = self.cache[hf_name] = self.sk.tensor(hf_name).shape
+        return s
 
     def __contains__(self, hf_name: str) -> bool:
         try:

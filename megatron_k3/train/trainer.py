@@ -328,6 +328,13 @@ class Trainer:
             n = capture_layer_graphs(self.chunks, self.ddp, job.train.micro_batch_size, cfg.seq_length // layout.cp)
             self.graph_capture_s = time.time() - t1
             self._print(f"[pretrain] captured CUDA graphs of {n} decoder layers in {self.graph_capture_s:.1f} s")
+        if job.checkpoint.save and job.checkpoint.async_save:  # page-lock the staging buffer now, off the loop
+            from checkpoints_io.k3ckpt import AsyncSaver
+
+            self.saver = AsyncSaver()
+            est = self.checkpoint_bytes_estimate()
+            if est:
+                self.saver.reserve(est, cuda=self.device.type == "cuda")
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from ..megatron.runtime import make_forward_step
@@ -335,6 +342,24 @@ class Trainer:
         self._fb = get_forward_backward_func()
         self._fstep = make_forward_step(job.model.mtp_loss_scaling_factor)
         return self
+
+    def checkpoint_bytes_estimate(self) -> int:
+        """Bytes this rank stages per checkpoint: its parameters and, for the optimizer state it writes, an fp32
+        master and two fp32 moments per element (an upper bound; 0 where this rank writes no optimizer state:
+        a data-parallel replica other than the first without the distributed optimizer)."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for c in self.chunks for p in c.parameters()]
+        distopt = self.job.parallel.use_distributed_optimizer
+        if not distopt and ps.get_data_parallel_rank() != 0:
+            return 0
+        owned = sum(p.numel() for p in params)
+        if distopt:
+            from checkpoints_io.k3ckpt import _optimizers
+
+            owned = sum(q.numel() for o in _optimizers(self.opt) for g in getattr(o, "optimizer", o).param_groups
+                        for q in g["params"])
+        return sum(p.numel() * p.element_size() for p in params) + 12 * owned + 64 * 4 * len(params)
 
     def _build_optimizer(self, dtype):
         o, p = self.job.optim, self.job.parallel
