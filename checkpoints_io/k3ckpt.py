@@ -146,9 +146,17 @@ def _save_strategy(kind: str, digests_out: dict, saver=None, group=None, thread_
                 import time
 
                 t = time.perf_counter()
-                dcp.save(pyt, storage_writer=writer, process_group=group,
-                         planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
-                                                  flatten_sharded_tensors=False))
+                # torch.save's per-record CRC32 runs with the GIL held (the writer threads then take turns); the
+                # checkpoint has its own CRC32 of every file (computed as the bytes pass, without the GIL), and
+                # torch.load does not need the records' (H200: 8 threads 2.09 -> 2.22 GB/s)
+                prev = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+                try:
+                    dcp.save(pyt, storage_writer=writer, process_group=group,
+                             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                                      flatten_sharded_tensors=False))
+                finally:
+                    torch.serialization.set_crc32_options(prev)
                 digests_out.update(writer.fs.digests)
                 if saver is not None:
                     saver.last["write_s"] = time.perf_counter() - t

@@ -172,6 +172,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--trainer", action="store_true", help="benchmark the trainer's own save (trainer flags after --)")
     ap.add_argument("--raw-gib", type=float, default=4.0, help="size of the raw O_DIRECT disk measurement")
+    ap.add_argument("--variants", default=None,
+                    help="writer micro-benchmark: comma list of THREADSxCRC (e.g. 4xon,8xoff): the O_DIRECT writer with "
+                         "that many threads, torch.save's per-record CRC32 on or off (our file CRC32 always on)")
     args = ap.parse_args(argv)
     if args.trainer:
         import datetime
@@ -206,6 +209,30 @@ def main():
     sd = {f"t{i}": torch.randn(n, generator=g) for i in range(args.tensors)}
     total = n * 4 * args.tensors
     report = {"size_bytes": total, "dir": base, "odirect_supported": odirect_supported(base), "writers": {}}
+    if args.variants:
+        from checkpoints_io.k3ckpt import _checksumming_writer
+
+        report["raw_disk_odirect"] = raw_odirect_bandwidth(base, args.raw_gib)
+        for v in args.variants.split(","):
+            th, crc = v.split("x")
+            path = os.path.join(base, f"v{v}")
+            shutil.rmtree(path, ignore_errors=True)
+            prev = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(crc == "on")
+            t0 = time.perf_counter()
+            dcp.save(sd, storage_writer=_checksumming_writer(path, "odirect", thread_count=int(th)), no_dist=True)
+            dt = time.perf_counter() - t0
+            torch.serialization.set_crc32_options(prev)
+            report["writers"][f"odirect_{th}threads_torchcrc_{crc}"] = {"seconds": dt, "GB_per_s": total / dt / 1e9}
+            shutil.rmtree(path, ignore_errors=True)
+        report["command"] = " ".join(["python", "tools/bench_checkpoint.py"] + sys.argv[1:])
+        report["device_host"] = f"{os.cpu_count()} cores"
+        txt = json.dumps(report, indent=1)
+        print(txt)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(txt + "\n")
+        return
     for kind in ("odirect", "buffered"):
         path = os.path.join(base, kind)
         shutil.rmtree(path, ignore_errors=True)
