@@ -47,7 +47,7 @@ import torch
 from megatron_k3.config import ConfigError
 from megatron_k3.megatron.collectives import ReduceOp, all_reduce_host
 from megatron_k3.model import hf_shapes as model_hf_shapes
-from megatron_k3.model.init import GoldenSkeleton
+from megatron_k3.model.skeleton import GoldenSkeleton
 
 import logging  # noqa: E402
 

@@ -4,10 +4,6 @@
     python launchers/pretrain_k3.py                                   # k3-tiny on the embedded corpus, 1 process
     torchrun --nproc-per-node 2 launchers/pretrain_k3.py --tensor-model-parallel-size 2 --sequence-parallel
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_k3.pretrain import main  # noqa: E402
 

@@ -94,7 +94,12 @@ def backend() -> str:
 
 
 def setup_device(local_rank: int | None = None) -> torch.device:
-    """Pick this process's device: ``cuda:local_rank`` when CUDA exists, else the CPU (with CPU mode on)."""
+    """Pick this process's device: ``cuda:local_rank`` when CUDA exists, else the CPU (with CPU mode on).
+    Refuses (one ``ConfigError`` line) a megatron-core outside the versions the patches were tested with
+    (``megatron_k3/patches``) before patching anything."""
+    from .patches import check_megatron_core
+
+    check_megatron_core()
     if has_gpu():
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))

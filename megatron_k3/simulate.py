@@ -56,7 +56,6 @@ def plan_for(args):
     from . import plan as P
     from .config import get_preset
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     cfg = get_preset(args.preset)
     argv = ["--preset", args.preset, "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
             "--gpu", args.gpu, "--micro-batch-size", str(args.micro_batch_size), "--json"]
@@ -66,7 +65,7 @@ def plan_for(args):
     import contextlib
     import io
 
-    import plan_layout  # tools/plan_layout.py: the same layout choice users see
+    from .commands import plan as plan_layout  # tools/plan_layout.py: the same layout choice users see
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

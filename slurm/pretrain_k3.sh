@@ -19,6 +19,8 @@
 #   K3_SAVE          checkpoint directory (default $K3_RUN_DIR/ckpt); always passed as --save and --load, so
 #                    a requeued or resubmitted job resumes from its latest checkpoint
 #   K3_SAVE_INTERVAL steps between checkpoints (profile default); K3_CKPT_WRITER odirect|buffered
+#   K3_KERNEL_CACHE  compiler cache shared by the jobs (default $K3_HOME/runs/kernel_cache; on shared storage,
+#                    a job on fresh nodes reuses the Triton kernels and autotune results of the jobs before it)
 #   K3_LAUNCH        srun (default: one task per GPU, ranks from SLURM_PROCID) | torchrun (one srun task per
 #                    node running torchrun with the c10d rendezvous on the first node)
 #   K3_MAX_FAILURES  supervisor: give up after N consecutive failures without checkpoint progress (default 3)
@@ -88,8 +90,10 @@ ARGS=()
 # shellcheck disable=SC2206
 [[ -n ${K3_EXTRA_ARGS:-} ]] && ARGS+=($K3_EXTRA_ARGS)   # the profile's precision/optimizer defaults
 [[ -n ${K3_FP8_RECIPE:-} ]] && ARGS+=(--fp8-recipe "$K3_FP8_RECIPE")
+# the compiler cache outlives the job (shared storage: the next job on fresh nodes skips the first-step autotuning)
+K3_KERNEL_CACHE=${K3_KERNEL_CACHE:-$K3_HOME/runs/kernel_cache}
 ARGS+=(--run-dir "$K3_RUN_DIR" --save "$K3_SAVE" --load "$K3_SAVE" --save-interval "$K3_SAVE_INTERVAL"
-       --ckpt-writer "$K3_CKPT_WRITER" --exit-signal-handler)
+       --ckpt-writer "$K3_CKPT_WRITER" --exit-signal-handler --kernel-cache-dir "$K3_KERNEL_CACHE")
 ARGS+=("$@")                                         # the user's flags come last and win (argparse)
 
 # check every flag, the layout for this job's world size, the data and the checkpoint directory on the batch

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # Intra-op threads per test process: the cores shared among the pytest-xdist workers (tools/run_tests.sh).
 # The environment variable reaches the trainers the tests start: with more OpenMP threads than free cores,

@@ -78,23 +78,31 @@ def test_bench_host_smoke(root, tmp_path):
 def test_preload_torch_cudnn_maps_torch_cudnn(root):
     """gpu_check's preload mode loads the pip cuDNN's parts (the package is installed with torch here too) into
     the process, libcudnn_graph first, so later loads by soname find them instead of a system cuDNN."""
-    code = ("import sys; sys.argv = ['x']; sys.path.insert(0, 'tools'); import gpu_check; "
+    code = ("import sys; sys.argv = ['x']; import gpu_check; "
             "libs = gpu_check.preload_torch_cudnn(); print(libs); "
             "maps = open('/proc/self/maps').read(); "
             "assert libs and 'libcudnn_graph' in libs[0] and libs[-1].endswith('/libcudnn.so.9'), libs; "
             "assert all(f in maps for f in libs), 'not mapped'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
-                       env=dict(os.environ, PYTHONPATH=root))
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tools")])))
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def tool_module(root, name):
+    """A script of tools/ imported as a module (by its path)."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "tools", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # its own imports of sibling scripts (``from benchmark import ...``) find it
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _benchmark_module(root):
-    sys.path.insert(0, os.path.join(root, "tools"))
-    try:
-        import benchmark
-    finally:
-        sys.path.pop(0)
-    return benchmark
+    return tool_module(root, "benchmark")
 
 
 def test_idle_gaps_charges_each_gap_to_its_host_phase(root):

@@ -16,7 +16,8 @@ import torch
 from megatron_k3 import get_preset
 from megatron_k3.launch_env import free_port
 from megatron_k3.model import K3ForCausalLM
-from megatron_k3.model.init import GoldenSkeleton, module_seed
+from megatron_k3.model.init import module_seed
+from megatron_k3.model.skeleton import GoldenSkeleton
 
 
 def test_each_tensor_alone_equals_the_golden_model():

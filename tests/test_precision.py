@@ -140,8 +140,10 @@ def test_bench_fp8_smoke(root, tmp_path):
 def test_synthetic_source(root):
     """The FP8 benchmark's data: reproducible from its seed, in the vocabulary, and learnable: the entropy
     it reports is far below a uniform guess, and the next-token counts follow the previous tokens."""
-    sys.path.insert(0, os.path.join(root, "tools"))
-    from bench_fp8 import synthetic_batches
+    from test_benchmark_smoke import tool_module
+
+    tool_module(root, "benchmark")  # bench_fp8 imports it
+    synthetic_batches = tool_module(root, "bench_fp8").synthetic_batches
 
     a, ha = synthetic_batches(64, 3, 4, 200, torch.device("cpu"))
     b, hb = synthetic_batches(64, 3, 4, 200, torch.device("cpu"))

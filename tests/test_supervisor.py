@@ -3,7 +3,6 @@
 The fake trainer (written per test) plays the real one's checkpoint interface: ``--save DIR`` holds
 ``latest_checkpointed_iteration.txt``; each attempt reads its behaviour from a plan file by attempt number.
 """
-import importlib.util
 import json
 import os
 import signal
@@ -197,10 +196,9 @@ def test_bad_usage():
 
 
 def _load_supervisor():
-    spec = importlib.util.spec_from_file_location("k3_supervisor", SUP)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from megatron_k3.commands import supervise
+
+    return supervise
 
 
 def test_signal_during_child_start_is_forwarded():

@@ -32,12 +32,8 @@ checked against an fp32/fp64 reference (relative Frobenius error of the output a
 """
 import argparse
 import datetime
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -1,21 +1,9 @@
 #!/usr/bin/env python3
-"""Render a run's loss and routing plots to PNG:  python tools/plot_run.py RUN_DIR"""
-import os
+"""Render a run's loss and routing plots to PNG:  python tools/plot_run.py RUN_DIR (``python -m megatron_k3 plot-run``;
+the code: ``megatron_k3/commands/plot_run.py``)."""
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_k3.cli import ArgumentParser, friendly_errors  # noqa: E402
-from megatron_k3.plots import plot_run  # noqa: E402
-
-
-@friendly_errors
-def main():
-    ap = ArgumentParser(description=__doc__)
-    ap.add_argument("run_dir")
-    for p in plot_run(ap.parse_args().run_dir):
-        print(p)
-
+from megatron_k3.commands.plot_run import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,10 +2,7 @@
 """Expert load and cross-domain specialisation of a trained K3 (see megatron_k3/probe.py):
     python tools/probe_moe.py --weights W.pt --preset k3-tiny --tokenizer data/tokenizer/k3-tiny-bpe512.json \\
         --data data/corpus/python-docs-3.11.jsonl.gz"""
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_k3.probe import main  # noqa: E402
 

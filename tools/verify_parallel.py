@@ -1,9 +1,6 @@
 #!/usr/bin/env python3
 """Check a parallel layout against the golden model: see megatron_k3/verify.py (or --help)."""
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_k3.verify import main  # noqa: E402
 

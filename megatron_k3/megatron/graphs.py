@@ -248,13 +248,13 @@ def run_layer(layer, h, blocks):
 
 
 def _k3_models(chunks):
+    """The K3 stage modules inside ``chunks`` (megatron wrappers removed); checked by shape rather than by class
+    (``model.py`` imports this module)."""
     from megatron.core.utils import unwrap_model
-
-    from .model import K3MegatronModel
 
     models = unwrap_model(list(chunks))
     for c, m in zip(chunks, models):
-        if not isinstance(m, K3MegatronModel):
+        if not (hasattr(m, "layers") and hasattr(m, "layer_start") and hasattr(m, "num_blocks_before")):
             raise TypeError(f"expected a K3MegatronModel (or a wrapper of one), got {type(c).__name__}")
     return models
 
@@ -278,7 +278,7 @@ def capture_layer_graphs(chunks, ddp, micro_batch_size: int, seq_length: int, wa
     """Capture every decoder layer of ``chunks`` (``check_cuda_graphs`` passed) for micro-batches of
     ``micro_batch_size`` x ``seq_length`` tokens; returns the number of layers captured. ``ddp``: the DDP
     wrappers whose grad buffers are zeroed afterwards."""
-    from .runtime import moe_routers
+    from .routers import moe_routers
 
     models = _k3_models(chunks)
     dev = next(models[0].parameters()).device

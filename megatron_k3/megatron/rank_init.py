@@ -79,7 +79,7 @@ def materialize_(chunks, device, dtype: torch.dtype) -> None:
 
 def init_chunks_(chunks, cfg, seed: int, tp_rank: int) -> int:
     """Golden initialisation of this rank's shards (module docstring). Returns the number of elements written."""
-    from ..model.init import GoldenSkeleton
+    from ..model.skeleton import GoldenSkeleton
     from .adapter import _named_tensors, pieces
 
     sk = GoldenSkeleton(cfg)

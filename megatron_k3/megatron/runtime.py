@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 from datetime import timedelta
 
 import torch
@@ -17,6 +16,7 @@ from .. import compat
 from ..layout import ParallelLayout
 from ..model.k3 import IGNORE_INDEX
 from .collectives import all_reduce
+from .routers import moe_routers  # noqa: F401  (re-exported: runtime.moe_routers)
 
 
 def init_distributed(layout: ParallelLayout, seed: int = 1234) -> torch.device:
@@ -117,29 +117,6 @@ def wrap_ddp(chunks, tconfig, use_distributed_optimizer: bool = False, finalize_
     tconfig.finalize_model_grads_func = finalize_grads or finalize_k3_grads
     tconfig.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
     return ddp
-
-
-_ROUTERS = weakref.WeakKeyDictionary()  # model chunk -> its [(layer name, router)]
-
-
-def moe_routers(chunks):
-    """(layer name, router) for every MoE router of these chunks ("7" for layers.7, "mtp0" for MTP head 0).
-    Found once per chunk (the gradient finalisation asks every step; k3-mini has 4,396 modules to walk)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    out = []
-    for c in chunks:
-        if c not in _ROUTERS:
-            found = []
-            for name, m in c.named_modules():
-                if isinstance(m, TopKRouter):
-                    parts = name.split(".")
-                    key = (parts[parts.index("layers") + 1] if "layers" in parts
-                           else f"mtp{parts[parts.index('mtp_heads') + 1]}")
-                    found.append((key, m))
-            _ROUTERS[c] = found
-        out.extend(_ROUTERS[c])
-    return out
 
 
 def finalize_k3_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):

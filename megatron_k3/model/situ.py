@@ -90,7 +90,7 @@ def _use_triton(t: torch.Tensor) -> bool:
     if not t.is_cuda or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     try:
-        from . import situ_triton  # noqa: F401  (imported only on CUDA)
+        from .situ_triton import situ_fwd  # noqa: F401  (imported only on CUDA)
     except ImportError:
         return False
     return True

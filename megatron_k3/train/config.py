@@ -157,6 +157,10 @@ class PerfSection:
     graph_main_grad: bool = F(True, "layer graphs add parameter gradients to main_grad inside the backward graph")
     lean_grad_clip: bool = F(True, "grad norm and clip without host reads (compat.py item 9)")
     lean_adamw: bool = F(True, "fused AdamW stepped from cached lists (compat.py item 7)")
+    kernel_cache_dir: str | None = F(
+        None, "persistent compiler cache: Triton kernels with their autotune results and Inductor's graphs, kept "
+              "across runs (default RUN_DIR/kernel_cache; point it at shared storage so a job on fresh nodes "
+              "skips the minutes of first-step autotuning)")
 
     def kernels(self) -> perf_mod.Kernels:
         return perf_mod.Kernels(**{k: getattr(self, k) for k in perf_mod.fields()})
@@ -360,7 +364,7 @@ def add_arguments(ap: argparse.ArgumentParser, sections=None) -> None:
             if f.name == "overrides":
                 continue
             t, _ = _base_type(hints[f.name])
-            flag, hlp = flag_of(f), f.metadata.get("help", "")
+            flag, hlp = flag_of(f), f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
             default = f.default if f.default is not dataclasses.MISSING else None
             kw = dict(dest=f"{sname}.{f.name}", default=argparse.SUPPRESS)
             if t is bool:

@@ -32,7 +32,7 @@ import torch
 from ..cli import UsageError
 from ..config import ConfigError
 from ..layout import ParallelLayout
-from ..model.init import GoldenSkeleton
+from ..model.skeleton import GoldenSkeleton
 from .config import JobConfig, describe
 
 EXIT_SAVED_ON_SIGNAL = 3
@@ -201,6 +201,20 @@ def ensure_default_store(store, tok):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def use_kernel_cache(path: str) -> str:
+    """Point Triton's and Inductor's on-disk caches at ``path`` (``triton/``, ``inductor/``) and keep Triton's
+    autotune results there too (``TRITON_CACHE_AUTOTUNING``: fla's KDA kernels autotune on first use, minutes on
+    a fresh machine). The libraries read these variables when they first compile, so this runs before
+    anything is built. Keys include the source, options and GPU, so one cache serves every node of a
+    cluster and every later job."""
+    path = os.path.abspath(path)
+    for sub, var in (("triton", "TRITON_CACHE_DIR"), ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
+        os.makedirs(os.path.join(path, sub), exist_ok=True)
+        os.environ[var] = os.path.join(path, sub)
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    return path
+
+
 def root_cause(e: BaseException) -> str:
     """The innermost OSError (or the last exception) behind ``e``, in one line: DCP wraps a writer's error in
     its own ``CheckpointException`` (per-rank failures) and megatron in more."""
@@ -226,7 +240,9 @@ def root_cause(e: BaseException) -> str:
 class Trainer:
     def __init__(self, job: JobConfig):
         from ..launch_env import discover
+        from ..patches import check_megatron_core
 
+        check_megatron_core()  # one line, before anything, if megatron-core is not a version the patches know
         self.job = job
         self.cfg = job.model_config()
         discover()  # torchrun / srun / mpiexec / single process
@@ -288,6 +304,8 @@ class Trainer:
 
         job, cfg, layout = self.job, self.cfg, self.layout
         perf.configure(**vars(job.perf.kernels()))  # before the device setup (compat reads lean_grad_clip)
+        self.kernel_cache = use_kernel_cache(job.perf.kernel_cache_dir or os.path.join(job.logging.run_dir,
+                                                                                         "kernel_cache"))
         if data:
             self.prepare_data()
         self.device = init_distributed(layout, seed=job.train.seed)

@@ -8,7 +8,6 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def worker(rank, world, port, mode, out):

@@ -20,7 +20,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 CASES = {
     # name: (dp, distopt, bf16, impl, moments, mode)
