@@ -796,12 +796,15 @@ def resolve(path, step: int | None = None) -> str | None:
     if step is None:
         step = latest_step(p)
         if step is None:
-            # leftovers of a save that never finished (``*.tmp``) are no checkpoint: a run killed during its
-            # first save starts again from scratch (refusing would fail every restart of the supervisor)
-            if complete_steps(p) or [q for q in p.glob("iter_*") if not q.name.endswith(".tmp")]:
-                raise CheckpointError(f"{p / LATEST} is missing but {p} holds checkpoint directories; pass one of "
-                                      "them explicitly")
-            return None
+            # No pointer yet. A directory is renamed from ``iter_*.tmp`` to ``iter_*`` only once complete (its
+            # metadata written and fsynced), and ``latest`` is written right after: a run killed between the two
+            # (during its first save) left a complete checkpoint without a pointer, which is resumed. Leftovers
+            # of a save that never finished (``*.tmp``) are no checkpoint: with nothing else the run starts
+            # again from scratch (refusing would fail every restart of the supervisor).
+            done = complete_steps(p)
+            if not done:
+                return None
+            step = done[-1]
     d = p / iter_name(step)
     if not d.is_dir():
         raise CheckpointError(f"{p / LATEST} names step {step} but {d} does not exist")

@@ -273,6 +273,7 @@ def test_disk_full_during_save_keeps_latest(root, fx, tmp_path):
 
     r = subprocess.run([PY, "launchers/pretrain_k3.py", "--train-iters", "4", "--micro-batch-size", "2",
                         "--global-batch-size", "2", "--lr-warmup-fraction", "0", "--save", str(ck), "--load", str(ck),
+                        "--ckpt-write-threads", "1",
                         "--run-dir", str(tmp_path / "run"), "--wandb-mode", "disabled"],
                        capture_output=True, text=True, timeout=300, cwd=root, env=_env(root), preexec_fn=limit)
     line = _one_error_line(r, 1)
