@@ -234,7 +234,7 @@ def test_watchdog_restarts_a_stalled_real_trainer(tmp_path):
     growing, the supervisor's watchdog stops it as hung (SIGTERM, then SIGKILL: a stopped process ignores
     SIGTERM), counts a failure and restarts it; the new attempt resumes from the checkpoint and finishes."""
     save, run = tmp_path / "ckpt", tmp_path / "run"
-    cmd = [sys.executable, SUP, "--stall-timeout", "15", "--kill-grace", "2", "--backoff", "0", "--max-failures", "2",
+    cmd = [sys.executable, SUP, "--stall-timeout", "40", "--kill-grace", "2", "--backoff", "0", "--max-failures", "2",
            "--", sys.executable, os.path.join(ROOT, "launchers", "pretrain_k3.py"), "--train-iters", "12",
            "--micro-batch-size", "2", "--global-batch-size", "2", "--save", str(save), "--load", str(save),
            "--save-interval", "4", "--run-dir", str(run), "--wandb-mode", "disabled"]
