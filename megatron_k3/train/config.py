@@ -159,8 +159,8 @@ class PerfSection:
     lean_adamw: bool = F(True, "fused AdamW stepped from cached lists (compat.py item 7)")
     kernel_cache_dir: str | None = F(
         None, "persistent compiler cache: Triton kernels with their autotune results and Inductor's graphs, kept "
-              "across runs (default RUN_DIR/kernel_cache; point it at shared storage so a job on fresh nodes "
-              "skips the minutes of first-step autotuning)")
+              "across runs (default: TRITON_CACHE_DIR if the environment sets it, else RUN_DIR/kernel_cache; point "
+              "it at shared storage so a job on fresh nodes skips the minutes of first-step autotuning)")
 
     def kernels(self) -> perf_mod.Kernels:
         return perf_mod.Kernels(**{k: getattr(self, k) for k in perf_mod.fields()})

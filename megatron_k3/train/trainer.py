@@ -304,8 +304,9 @@ class Trainer:
 
         job, cfg, layout = self.job, self.cfg, self.layout
         perf.configure(**vars(job.perf.kernels()))  # before the device setup (compat reads lean_grad_clip)
-        self.kernel_cache = use_kernel_cache(job.perf.kernel_cache_dir or os.path.join(job.logging.run_dir,
-                                                                                         "kernel_cache"))
+        if job.perf.kernel_cache_dir or "TRITON_CACHE_DIR" not in os.environ:  # the environment's own cache stays
+            self.kernel_cache = use_kernel_cache(job.perf.kernel_cache_dir or os.path.join(job.logging.run_dir,
+                                                                                             "kernel_cache"))
         if data:
             self.prepare_data()
         self.device = init_distributed(layout, seed=job.train.seed)
