@@ -803,6 +803,9 @@ def resolve(path, step: int | None = None) -> str | None:
             # again from scratch (refusing would fail every restart of the supervisor).
             done = complete_steps(p)
             if not done:
+                if [q for q in p.glob("iter_*") if not q.name.endswith(".tmp")]:  # not written by a save
+                    raise CheckpointError(f"{p / LATEST} is missing and {p} holds checkpoint directories without "
+                                          f"{META}; pass a complete one explicitly")
                 return None
             step = done[-1]
     d = p / iter_name(step)

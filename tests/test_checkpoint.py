@@ -328,15 +328,20 @@ def test_resume_bit_exact_world1(root, tmp_path, opt):
 
 def test_resolve_ignores_leftovers_of_an_unfinished_first_save(tmp_path):
     """A run killed during its first save leaves only ``iter_*.tmp``: the save dir holds no checkpoint (the
-    restarted run starts from scratch); a complete-looking ``iter_*`` without the ``latest`` pointer is still
-    refused. (Found by the SIGKILL test: every restart had failed with "holds checkpoint directories".)"""
-    from checkpoints_io.k3ckpt import CheckpointError, resolve
+    restarted run starts from scratch); an ``iter_*`` without its metadata file (not written by a save) and
+    without the ``latest`` pointer is refused; a complete ``iter_*`` without the pointer (killed between the
+    rename and the pointer) is resumed, the newest first. (Found by the SIGKILL test.)"""
+    from checkpoints_io.k3ckpt import META, CheckpointError, resolve
 
     (tmp_path / "iter_0000002.tmp").mkdir()
     assert resolve(tmp_path) is None
     (tmp_path / "iter_0000002").mkdir()
-    with pytest.raises(CheckpointError, match="holds checkpoint directories"):
+    with pytest.raises(CheckpointError, match="holds checkpoint directories without"):
         resolve(tmp_path)
+    (tmp_path / "iter_0000002" / META).write_text("{}")
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "iter_0000004" / META).write_text("{}")
+    assert resolve(tmp_path) == str(tmp_path / "iter_0000004")
 
 
 @pytest.mark.parametrize("layout,nproc", [([], 2), (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4)],
