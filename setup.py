@@ -20,6 +20,7 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_k3", "megatron_k3.*", "checkpoints_io", "checkpoints_io.*"]),
     install_requires=_reqs("requirements.txt"),
+    entry_points={"console_scripts": ["megatron-k3=megatron_k3.__main__:main"]},  # megatron-k3 <command> ...
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda130==2.4.0"],

@@ -4,7 +4,7 @@ PyTorch distributed checkpointing (DCP) with the O_DIRECT writer.
 **Format.** Every tensor is stored as one *global* tensor under its official HF name (the golden model's
 ``state_dict`` names, e.g. ``model.layers.3.block_sparse_moe.experts.5.w1.weight``); each rank contributes
 its shards as megatron ``ShardedTensor`` s with global offsets taken from the weight adapter
-(``megatron_k3/megatron/adapter.py``: ``local[local_index] == hf[hf_name][hf_index]``). A shard held by
+(``megatron_k3/parallel/adapter.py``: ``local[local_index] == hf[hf_name][hf_index]``). A shard held by
 several ranks (DP replicas, TP-replicated norms, expert-DP replicas) is written once, by the lowest rank
 holding it. Optimiser state is stored the same way, in *parameter space*: for every parameter its
 param-shaped fp32 states (``master`` weights when the model is bf16, ``exp_avg``/``exp_avg_sq`` for Adam,
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from megatron_k3.config import ConfigError
-from megatron_k3.megatron.collectives import ReduceOp, all_reduce_host
+from megatron_k3.parallel.collectives import ReduceOp, all_reduce_host
 from megatron_k3.model import hf_shapes as model_hf_shapes
 from megatron_k3.model.skeleton import GoldenSkeleton
 
@@ -214,13 +214,13 @@ def optimizer_param_states(opt, params) -> tuple[dict, int]:
     optimizers' own (fp32 already: no copy on the device).
 
     Knows megatron's FP32Optimizer / Float16OptimizerWithFloat16Params (in a ChainedOptimizer or alone),
-    ``megatron_k3.optim.MuonAdamW`` and the host-stream offload; the DistributedOptimizer's state is saved per
+    ``megatron_k3.optim.muon.MuonAdamW`` and the host-stream offload; the DistributedOptimizer's state is saved per
     rank by ``_distopt_entries`` instead (no collective)."""
-    from megatron_k3.optim import MuonAdamW
+    from megatron_k3.optim.muon import MuonAdamW
 
     out, steps = {}, 0
     for o in _optimizers(opt):
-        if hasattr(o, "param_states") and hasattr(o, "load_param_states"):  # megatron_k3.offload host stream
+        if hasattr(o, "param_states") and hasattr(o, "load_param_states"):  # megatron_k3.optim.offload host stream
             st = o.param_states()
             for p, n in o._names().items():
                 if n in st["params"]:
@@ -264,7 +264,7 @@ def _restore(main, st: dict, d: dict, steps: int):
 
 def load_optimizer_param_states(opt, states: dict, steps: int):
     """Inverse of :func:`optimizer_param_states`: ``states`` maps parameters to param-shaped tensors."""
-    from megatron_k3.optim import MuonAdamW
+    from megatron_k3.optim.muon import MuonAdamW
 
     for o in _optimizers(opt):
         if hasattr(o, "param_states") and hasattr(o, "load_param_states"):  # host stream: full tensors per name
@@ -315,7 +315,7 @@ def _offsets(hidx, gshape, lshape, key):
 def model_pieces(chunks, tp_rank: int, hf_shapes: dict):
     """[(hf_name, param_or_buffer, hf_index, local_index)] for every local tensor of ``chunks`` (found once per
     chunk list: a built model's structure does not change)."""
-    from megatron_k3.megatron import adapter
+    from megatron_k3.parallel import adapter
 
     key = (tuple(id(c) for c in chunks), tp_rank)
     hit = _PIECES.get(key)
@@ -700,7 +700,7 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
         # megatron checks the sharding (every shard covered once) with a gather of all shards' metadata: once
         # per structure; a later save of the same keys and offsets on every rank skips it
         sig = hash(tuple(sorted((k, tuple(getattr(v, "global_offset", ()))) for k, v in sd.items())))
-        from megatron_k3.megatron.collectives import agree_all
+        from megatron_k3.parallel.collectives import agree_all
 
         same = agree_all(sig == saver.validated, group=group)
         dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, validate_access_integrity=not same)

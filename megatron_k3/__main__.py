@@ -15,20 +15,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # command -> (module in the package, or a path under the repository, function, one-line summary)
 COMMANDS = {
-    "train": ("megatron_k3.pretrain", "main", "pretrain a K3 model (megatron-core; torchrun/srun/mpiexec for several ranks)"),
-    "simulate": ("megatron_k3.simulate", "main", "build chosen ranks of a planned layout on the meta device; compare with the plan"),
+    "train": ("megatron_k3.train.pretrain", "main", "pretrain a K3 model (megatron-core; torchrun/srun/mpiexec for several ranks)"),
+    "simulate": ("megatron_k3.plan.simulate", "main", "build chosen ranks of a planned layout on the meta device; compare with the plan"),
     "plan": ("megatron_k3.commands.plan", "main", "pick or check a parallel layout and print the per-GPU memory it needs"),
-    "verify-parallel": ("megatron_k3.verify", "main", "check a parallel layout against the golden model (loss, grads, weights)"),
+    "verify-parallel": ("megatron_k3.parallel.verify", "main", "check a parallel layout against the golden model (loss, grads, weights)"),
     "prepare-data": ("megatron_k3.data.prepare", "main", "tokenize text/jsonl/parquet into a zarr token store"),
     "train-tokenizer": ("megatron_k3.commands.train_tokenizer", "main", "train a byte-level BPE tokenizer offline"),
     "convert-to-hf": ("megatron_k3.commands.convert_to_hf", "main", "export a checkpoint to a Hugging Face directory"),
     "convert-from-hf": ("megatron_k3.commands.convert_from_hf", "main", "import a Hugging Face directory into a checkpoint"),
     "eval-hellaswag": ("megatron_k3.commands.eval_hellaswag", "main", "HellaSwag accuracy of an exported model or a checkpoint"),
     "model-info": ("megatron_k3.commands.model_info", "main", "parameter counts of a preset or config"),
-    "probe-moe": ("megatron_k3.probe", "main", "expert load and specialisation of trained weights"),
+    "probe-moe": ("megatron_k3.eval.probe", "main", "expert load and specialisation of trained weights"),
     "plot-run": ("megatron_k3.commands.plot_run", "main", "loss and routing plots of a run directory"),
     "supervise": ("megatron_k3.commands.supervise", "main", "restart a training command from its latest checkpoint until it finishes"),
-    "benchmark": ("tools/benchmark.py", "main", "training throughput through Trainer.train_step, with same-run baselines"),
+    "benchmark": ("benchmarks/benchmark.py", "main", "training throughput through Trainer.train_step, with same-run baselines"),
 }
 
 

@@ -15,7 +15,7 @@ attribute lookup. Tests and tools that run layers directly use ``using(...)`` or
 - ``graph_shared_inputs`` / ``graph_main_grad``: layer CUDA graphs read the AttnRes snapshots from the
   snapshot layer's static input, and add the parameters' gradients to ``main_grad`` inside the backward
   graph (``megatron/graphs.py``).
-- ``lean_grad_clip`` / ``lean_adamw``: the optimizer-step patches of ``compat.py`` (items 9 and 7).
+- ``lean_grad_clip`` / ``lean_adamw``: the optimizer-step patches ``patches/lean_grad_clip.py`` and ``patches/foreach_kernels.py``.
 """
 from __future__ import annotations
 

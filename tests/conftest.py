@@ -32,6 +32,26 @@ def root():
     return ROOT
 
 
+def bench_script(name):
+    """A script of benchmarks/ imported as a module (by its path); its own imports of sibling scripts
+    (``from benchmark import ...``) find the ones imported before it."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def bench_module():
+    """``bench_module(name)``: a script of benchmarks/ as a module (``bench_script``)."""
+    return bench_script
+
+
 INTERPRETER_PRELUDE = """import os, torch
 os.environ["TRITON_INTERPRET"] = "1"
 def rel(a, b):  # relative Frobenius error, in fp64

@@ -21,7 +21,7 @@ def main(argv=None):
     if bool(args.preset) == bool(args.config):
         raise UsageError("give exactly one of --preset NAME or --config FILE")
     cfg = get_preset(args.preset) if args.preset else load_config(args.config)
-    from megatron_k3.model_info import format_info, model_info
+    from megatron_k3.plan.model_info import format_info, model_info
 
     info = model_info(cfg)
     print(json.dumps(info, indent=2) if args.json else format_info(info))

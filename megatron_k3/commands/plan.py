@@ -12,7 +12,7 @@ expert parallelism). Data parallelism is what is left of nodes x GPUs per node. 
 (or no layout, when searching) is refused with the reason and exit code 2; an invalid one (heads, experts
 or AttnRes blocks that do not divide) likewise, before any arithmetic. The memory model (bytes per
 parameter, saved activations per token, in-flight micro-batches, the cross-entropy transient) is in the
-docstring of megatron_k3/plan.py and in slurm/README.md. ``--measure`` instead compares the activation model
+docstring of megatron_k3/plan/planner.py and in slurm/README.md. ``--measure`` instead compares the activation model
 with saved-tensor bytes measured on this CPU for a small config.
 """
 import argparse
@@ -20,10 +20,10 @@ import json
 import sys
 
 
-from megatron_k3 import plan as P
+from megatron_k3.plan import planner as P
 from megatron_k3.cli import ArgumentParser, UsageError, friendly_errors
 from megatron_k3.config import ConfigError, get_preset, load_config
-from megatron_k3.layout import ParallelLayout
+from megatron_k3.parallel.layout import ParallelLayout
 
 GiB = 1 << 30
 

@@ -2,7 +2,7 @@
 
 
 from megatron_k3.cli import ArgumentParser, friendly_errors
-from megatron_k3.plots import plot_run
+from megatron_k3.train.plots import plot_run
 
 
 @friendly_errors

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import ConfigError, K3Config
-from ..megatron import adapter
+from ..parallel import adapter
 from . import config_map, names
 
 ROOT = Path(__file__).resolve().parents[1]  # megatron_k3/

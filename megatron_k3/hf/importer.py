@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, K3Config
-from ..megatron import adapter
+from ..parallel import adapter
 from . import config_map
 
 
@@ -101,7 +101,7 @@ def convert_from_hf(hf_dir, out_dir, tp: int = 1, pp: int = 1, ep: int = 1, step
     from checkpoints_io import k3ckpt
 
     from ..data.tokenizer import load_tokenizer
-    from ..layout import ParallelLayout
+    from ..parallel.layout import ParallelLayout
 
     src = HFDir(hf_dir)
     cfg = src.cfg

@@ -1,7 +1,7 @@
 """Official HF tensor names and shapes of the two exported layouts, and their inverse (import).
 
 The golden model's ``state_dict`` names (``model.layers.{i}...``, ``lm_head.weight``) are the project's HF
-names; the megatron adapter (``megatron_k3/megatron/adapter.py``) maps them to shards. This module adds
+names; the megatron adapter (``megatron_k3/parallel/adapter.py``) maps them to shards. This module adds
 what the *released directories* do on top of them:
 
 * **K3 release layout** (``layout="k3"``): every text tensor under ``language_model.``; KDA ``A_log``

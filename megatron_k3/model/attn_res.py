@@ -69,7 +69,7 @@ def attn_res_mix_reference(prefix: torch.Tensor, blocks: list[torch.Tensor], que
     # s = K . w with K = V rsqrt(mean(V^2) + eps): the per-row scale taken out of the dot product, and both
     # contractions written as multiply + sum, which torch.compile fuses into reductions over D (as einsums
     # inductor lowered them to fp32 bmm/gemv calls with N-long rows: 1.9x slower fwd+bwd on the H200,
-    # benchmarks/README.md; tools/bench_ops.py --parts attn_res times both forms)
+    # benchmarks/README.md; benchmarks/bench_ops.py --parts attn_res times both forms)
     s = torch.rsqrt(V.pow(2).mean(-1) + eps) * (V * w).sum(-1)       # [N, ...]
     p = torch.softmax(s, dim=0)
     return (p.unsqueeze(-1) * V).sum(0).to(prefix.dtype)

@@ -17,9 +17,9 @@ Per row (token) of the [R, D] candidates, with w = norm_weight * query:
 
 Bytes per call: forward reads the N candidates and writes out; backward reads g and the candidates (twice, the
 second read can hit L2) and writes N gradients. The torch.compile'd reference reaches ~1/12-1/20 of this
-floor on the H200 (``tools/bench_ops.py --parts attn_res``).
+floor on the H200 (``benchmarks/bench_ops.py --parts attn_res``).
 
-The kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors (tests/test_attn_res.py checks the algebra,
+The kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors (tests/model/test_attn_res.py checks the algebra,
 masking and the candidate tuple there).
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
 # memory). ``perf.current().compile``: "auto" (default) compiles for CUDA tensors with autograd on, "off" never,
 # "all" always and on every device (tests); ``compile_backend`` picks the backend (default inductor). CPU
 # runs the reference eagerly by default.
-# Tests pin the traced graphs to eager (tests/test_attn_res.py, tests/test_kda.py; tools/gpu_check.py).
+# Tests pin the traced graphs to eager (tests/model/test_attn_res.py, tests/model/test_kda.py; benchmarks/gpu_check.py).
 _COMPILED: dict = {}
 
 

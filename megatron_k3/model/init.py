@@ -12,7 +12,7 @@ shape) only, not on what else the model holds or in what order it is built. That
 split model initialise its shards directly (``skeleton.GoldenSkeleton.initial_value`` + the weight adapter) and get,
 for every layout, exactly the slices of ``K3ForCausalLM(cfg, seed=seed)``: the full tensor of one
 parameter is generated on the host, sliced, and dropped, so a rank never holds more than its shards plus
-one full parameter (``megatron_k3/megatron/init.py``; tests/test_init.py measures it).
+one full parameter (``megatron_k3/parallel/rank_init.py``; tests/parallel/test_init.py measures it).
 
 ``skeleton.GoldenSkeleton`` holds the golden model's modules on the meta device one decoder layer at a time,
 so even k3-full (332,424 modules, 12.7 s and 1.5 GB of host memory as a whole meta model) is never built

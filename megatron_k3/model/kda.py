@@ -27,8 +27,8 @@ Two exact pure-PyTorch forms of the recurrence live here (the reference the test
 On CUDA with flash-linear-attention installed, ``KimiDeltaAttention`` calls ``fla.ops.kda.chunk_kda`` with the
 gate, beta sigmoid and q/k L2 norm fused in the kernel (``safe_gate=True, lower_bound=-5``); tests pin it to
 ``kda_chunked``. The short convolutions run fla's Triton ``causal_conv1d`` there (SiLU fused; compared with
-the ``F.conv1d`` reference in fp64 on the GPU by ``tools/bench_ops.py --parts short_conv`` and
-``tools/gpu_check.py --only fused``).
+the ``F.conv1d`` reference in fp64 on the GPU by ``benchmarks/bench_ops.py --parts short_conv`` and
+``benchmarks/gpu_check.py --only fused``).
 """
 from __future__ import annotations
 
@@ -303,7 +303,7 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x):
         return self.g_proj(x) if self.cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
-    # The forward is split in three phases so the tensor/context-parallel layer (megatron_k3.megatron)
+    # The forward is split in three phases so the tensor/context-parallel layer (megatron_k3.parallel)
     # can run the same math on its shard, with communication between the phases.
     def project(self, x: torch.Tensor):
         """x [B, T, D] -> per-token projections: q/k/v/graw [B, T, H, d], beta logits [B, T, H], gate [B, T, H, d]."""

@@ -35,7 +35,7 @@ def sdpa_backends(cuda: bool, choice: str | None = None):
     imported, the H200 machine loaded a system cuDNN 9.14 beside torch's 9.19, torch's default order then put
     the memory-efficient kernel first (13.8 ms fwd+bwd at k3-mini's MLA shape) although cuDNN's, forced, still
     ran (3.6 ms; ``benchmarks/results/gpu_check_sdpa_cudnn_path_attempt_h200_2026-12-03.json``). Whether it matches the
-    other kernels there is what ``tools/gpu_check.py --only sdpa`` compares (``vs_efficient``)."""
+    other kernels there is what ``benchmarks/gpu_check.py --only sdpa`` compares (``vs_efficient``)."""
     if choice is None:
         choice = current_kernels().sdpa_backend
     if choice not in SDPA_BACKEND_CHOICES:
@@ -52,7 +52,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """q,k [B,T,H,Dk], v [B,T,H,Dv] -> [B,T,H,Dv], causal softmax attention. On CUDA the inputs are made
     contiguous [B,H,T,D] first. Uncopied (v a strided slice of the kv projection, q and k transposed views)
     SDPA ran its memory-efficient kernel inside the model on the H200 (7.2 ms fwd+bwd at k3-mini's shape in
-    isolation), while contiguous inputs of the same shapes run cuDNN's (1.9 ms; ``tools/bench_ops.py --parts
+    isolation), while contiguous inputs of the same shapes run cuDNN's (1.9 ms; ``benchmarks/bench_ops.py --parts
     attention``, 2026-12-01). The copies move ~130 MB per layer forward at that shape."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if q.is_cuda:

@@ -15,7 +15,7 @@ dx backward, with no second forward launch (fla's ``causal_conv1d`` runs its for
 backward: two forward and one backward kernel per call in the k3-mini profile, 0.095 s a step). Bytes per
 call at [8, 4096, 1024] bf16: 5 x 64 MiB, ~0.08 ms at the H200's ~4.3 TB/s.
 
-The kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors (tests/test_kda.py checks them there
+The kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors (tests/model/test_kda.py checks them there
 against the fp64 reference).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ r"""SiTU-GLU: the bounded gated activation of every K3 FFN.
 ``x = [g ; u]`` is the concatenated output of the FFN's first projection (gate half first), as in the
 field report's ``situ_and_mul``. Kimi Linear (the predecessor) uses ``silu(g) * u`` instead.
 
-Two implementations, pinned to each other by tests (tests/test_situ.py, tests/test_situ_stream.py):
+Two implementations, pinned to each other by tests (tests/model/test_situ.py, tests/model/test_situ_stream.py):
 
 **Reference** (``situ``, ``situ_glu``, ``glu_activation``): plain PyTorch. Autograd saves six fp32 [R, H]
 tensors per call (tanh(g/beta), sigmoid(g), beta*tanh(g/beta), tanh(u/beta_l), act, lin): 24 R H bytes.

@@ -86,7 +86,7 @@ class OptimSection:
     optimizer: str = F("adam", "adam: megatron's AdamW (optionally distributed); muon: per-head Muon + AdamW",
                        choices=("adam", "muon"))
     optimizer_offload: str = F("none", "host-stream: AdamW state in pinned host memory, gradients streamed in chunks, "
-                                       "update on the CPU (megatron_k3/offload.py)", choices=("none", "host-stream"))
+                                       "update on the CPU (megatron_k3/optim/offload.py)", choices=("none", "host-stream"))
     offload_moments_dtype: str = F("bf16", "host-stream moments", choices=("bf16", "fp32"))
     lr: float = F(3e-3, "peak learning rate")
     min_lr: float = F(3e-4, "final learning rate of the decay")
@@ -100,7 +100,7 @@ class OptimSection:
     clip_grad: float = F(1.0, "gradient clipping by global norm")
     moe_router_load_balancing_type: str = F(
         "sign", "aux-loss-free balancing of e_score_correction_bias: zero-centred sign update, K3's Quantile "
-                "Balancing, or none (megatron_k3/balancing.py)", choices=("sign", "quantile", "none"))
+                "Balancing, or none (megatron_k3/parallel/balancing.py)", choices=("sign", "quantile", "none"))
     moe_router_bias_update_rate: float = F(1e-3, "step of the sign update")
 
 
@@ -134,14 +134,14 @@ class CheckpointSection:
 @dataclass
 class PerfSection:
     bf16: bool = F(False, "bf16 weights and activations (fp32 master weights in the optimizer)")
-    fp8_recipe: str | None = F(None, "FP8 through Transformer Engine (megatron_k3/precision.py): blockwise on Hopper, "
+    fp8_recipe: str | None = F(None, "FP8 through Transformer Engine (megatron_k3/parallel/precision.py): blockwise on Hopper, "
                                      "mxfp8 on Blackwell (refused on older GPUs); needs --bf16",
                                choices=("delayed", "tensorwise", "blockwise", "mxfp8"))
     fp8_format: str | None = F(None, "FP8 format (default e4m3 when FP8 is on)", choices=("e4m3", "hybrid"))
     recompute_granularity: str = F("none", "selective: recompute the token mixers' cores and FFN activations; "
                                            "full: whole layers", choices=("none", "selective", "full"))
     cuda_graph_impl: str = F("none", "local: each decoder layer's forward and backward as CUDA graphs, captured "
-                                     "before the first step (megatron_k3/megatron/graphs.py; one GPU stage, "
+                                     "before the first step (megatron_k3/parallel/graphs.py; one GPU stage, "
                                      "EP = TP = CP = 1, no full recompute, no FP8)", choices=("none", "local"))
     compile: str = F("auto", "torch.compile of the element-wise glue: auto (CUDA training calls), off, all (every "
                              "device)", choices=perf_mod.CHOICES["compile"])
@@ -155,8 +155,8 @@ class PerfSection:
                           choices=perf_mod.CHOICES["sdpa_backend"])
     graph_shared_inputs: bool = F(True, "layer graphs read AttnRes snapshots from the snapshot layer's static input")
     graph_main_grad: bool = F(True, "layer graphs add parameter gradients to main_grad inside the backward graph")
-    lean_grad_clip: bool = F(True, "grad norm and clip without host reads (compat.py item 9)")
-    lean_adamw: bool = F(True, "fused AdamW stepped from cached lists (compat.py item 7)")
+    lean_grad_clip: bool = F(True, "grad norm and clip without host reads (patches/lean_grad_clip.py)")
+    lean_adamw: bool = F(True, "fused AdamW stepped from cached lists (patches/foreach_kernels.py)")
     kernel_cache_dir: str | None = F(
         None, "persistent compiler cache: Triton kernels with their autotune results and Inductor's graphs, kept "
               "across runs (default: TRITON_CACHE_DIR if the environment sets it, else RUN_DIR/kernel_cache; point "

@@ -1,6 +1,6 @@
 """The Trainer: one object owns a run, and ``train_step`` is the one training step.
 
-``launchers/pretrain_k3.py`` (``python -m megatron_k3 train``), ``tools/benchmark.py`` and the tests all run
+``launchers/pretrain_k3.py`` (``python -m megatron_k3 train``), ``benchmarks/benchmark.py`` and the tests all run
 this class; a throughput figure is the time of ``Trainer.train_step``.
 
     trainer = Trainer(job)      # config -> model config, layout, schedule; validated (one ConfigError line)
@@ -31,7 +31,7 @@ import torch
 
 from ..cli import UsageError
 from ..config import ConfigError
-from ..layout import ParallelLayout
+from ..parallel.layout import ParallelLayout
 from ..model.skeleton import GoldenSkeleton
 from .config import JobConfig, describe
 
@@ -141,8 +141,8 @@ def validate(job: JobConfig, cfg, layout: ParallelLayout, world: int) -> None:
         check_load_dir(c.load)
     if (pf.fp8_recipe or pf.fp8_format) and not pf.bf16:
         raise UsageError("--fp8-recipe/--fp8-format train the FP8 GEMMs of a bf16 model: add --bf16")
-    from ..megatron.graphs import check_cuda_graphs
-    from ..precision import check_fp8_here
+    from ..parallel.graphs import check_cuda_graphs
+    from ..parallel.precision import check_fp8_here
 
     check_fp8_here(pf.fp8_recipe, pf.fp8_format, pf.recompute_granularity)
     check_cuda_graphs(pf.cuda_graph_impl, layout, pf.recompute_granularity, pf.fp8_recipe, bf16=pf.bf16)
@@ -239,7 +239,7 @@ def root_cause(e: BaseException) -> str:
 # ------------------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, job: JobConfig):
-        from ..launch_env import discover
+        from .launch_env import discover
         from ..patches import check_megatron_core
 
         check_megatron_core()  # one line, before anything, if megatron-core is not a version the patches know
@@ -298,9 +298,9 @@ class Trainer:
         """Build everything of this rank (module docstring). ``data=False``: no token store (the caller feeds
         ``train_step`` itself)."""
         from .. import perf
-        from ..megatron.graphs import use_graph_stream
-        from ..megatron.runtime import build_model_chunks, init_distributed, moe_routers, wrap_ddp
-        from ..precision import resolve as fp8_fields
+        from ..parallel.graphs import use_graph_stream
+        from ..parallel.runtime import build_model_chunks, init_distributed, moe_routers, wrap_ddp
+        from ..parallel.precision import resolve as fp8_fields
 
         job, cfg, layout = self.job, self.cfg, self.layout
         perf.configure(**vars(job.perf.kernels()))  # before the device setup (compat reads lean_grad_clip)
@@ -341,7 +341,7 @@ class Trainer:
             self.start_step, self.tokens_seen = self._resume()
         self.graph_capture_s = None
         if job.perf.cuda_graph_impl == "local":  # after the resume: the graphs read the parameters in place
-            from ..megatron.graphs import capture_layer_graphs
+            from ..parallel.graphs import capture_layer_graphs
 
             t1 = time.time()
             n = capture_layer_graphs(self.chunks, self.ddp, job.train.micro_batch_size, cfg.seq_length // layout.cp)
@@ -356,7 +356,7 @@ class Trainer:
                 self.saver.reserve(est, cuda=self.device.type == "cuda")
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from ..megatron.runtime import make_forward_step
+        from ..parallel.runtime import make_forward_step
 
         self._fb = get_forward_backward_func()
         self._fstep = make_forward_step(job.model.mtp_loss_scaling_factor)
@@ -384,19 +384,19 @@ class Trainer:
         o, p = self.job.optim, self.job.parallel
         bf16 = dtype == torch.bfloat16
         if o.optimizer == "muon":
-            from ..megatron.runtime import build_muon
+            from ..parallel.runtime import build_muon
 
             return build_muon(self.chunks, lr=o.lr, weight_decay=o.weight_decay, adam_eps=o.adam_eps,
                               beta1=o.adam_beta1, beta2=o.adam_beta2)
         if o.optimizer_offload == "host-stream":
-            from ..offload import build_host_stream_optimizer
+            from ..optim.offload import build_host_stream_optimizer
 
             return build_host_stream_optimizer(
                 self.ddp, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
                 use_distributed_optimizer=p.use_distributed_optimizer, bf16=bf16, adam_eps=o.adam_eps,
                 beta1=o.adam_beta1, beta2=o.adam_beta2,
                 moments_dtype=torch.bfloat16 if o.offload_moments_dtype == "bf16" else torch.float32)
-        from ..megatron.runtime import build_optimizer
+        from ..parallel.runtime import build_optimizer
 
         return build_optimizer(self.ddp, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
                                use_distributed_optimizer=p.use_distributed_optimizer, bf16=bf16, adam_eps=o.adam_eps,
@@ -413,7 +413,7 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from torch.profiler import record_function
 
-        from ..megatron.collectives import ReduceOp, all_reduce
+        from ..parallel.collectives import ReduceOp, all_reduce
 
         if lr is not None:
             for g in self.opt.param_groups:
@@ -441,8 +441,8 @@ class Trainer:
                            forward_only=False)
         with record_function("k3.optimizer_step"):
             if self.job.optim.optimizer == "muon":
-                from ..megatron.runtime import grad_norm_fp32
-                from ..optim import clip_coefficient
+                from ..parallel.runtime import grad_norm_fp32
+                from ..optim.muon import clip_coefficient
 
                 gnorm = grad_norm_fp32(self.chunks)
                 self.opt.step(clip_coefficient(gnorm, self.job.optim.clip_grad))
@@ -471,8 +471,8 @@ class Trainer:
         records of rank 0 (empty elsewhere). Saves and exits as the checkpoint flags say."""
         import torch.distributed as dist
 
-        from ..megatron.collectives import agree_any
-        from ..metrics import MetricsLogger, routing_stats
+        from ..parallel.collectives import agree_any
+        from .metrics import MetricsLogger, routing_stats
 
         job, cfg = self.job, self.cfg
         T = job.train.train_iters
@@ -570,7 +570,7 @@ class Trainer:
         if self.rank == 0 and self.log is not None:
             self.log.close()
             self.log = None
-            from ..plots import plot_run
+            from .plots import plot_run
 
             plot_run(self.job.logging.run_dir)
             print(f"[pretrain] done: {self.job.train.train_iters} steps, {tokens:,} tokens in {seconds:.1f} s; "
@@ -595,7 +595,7 @@ class Trainer:
             import torch.distributed as dist
             from megatron.core import parallel_state as ps
 
-            from ..megatron.graphs import release_layer_graphs
+            from ..parallel.graphs import release_layer_graphs
 
             release_layer_graphs(self.chunks)
             self.chunks = self.ddp = self.opt = self._fb = self._fstep = None
@@ -616,9 +616,9 @@ class Trainer:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from ..megatron.adapter import assemble, local_pieces
+        from ..parallel.adapter import assemble, local_pieces
         from ..model import hf_shapes
-        from ..model_info import model_info
+        from ..plan.model_info import model_info
 
         total = model_info(self.cfg)["total_params"]
         if total > EXPORT_WEIGHTS_MAX_PARAMS:

@@ -1,4 +1,4 @@
-"""Run by tests/test_bad_inputs.py: every case of a JSON list through ``python -m megatron_k3 <command>``'s
+"""Run by tests/train/test_bad_inputs.py: every case of a JSON list through ``python -m megatron_k3 <command>``'s
 dispatcher, in this one process (the commands' ``main`` functions, as the console runs them), one after the
 other. For each case: the exit code, everything written to stderr, whether an exception escaped (a
 traceback), and whether any file under the fixture directory changed (sha256 of every file before and

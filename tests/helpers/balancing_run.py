@@ -19,9 +19,9 @@ def worker(rank, world, port, mode, out):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_k3.config import get_preset
-    from megatron_k3.layout import ParallelLayout
-    from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
+    from megatron_k3.parallel.layout import ParallelLayout
+    from megatron_k3.parallel import adapter
+    from megatron_k3.parallel.runtime import (build_model_chunks, build_optimizer,
                                               init_distributed, make_forward_step, moe_routers, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
 
@@ -79,7 +79,7 @@ def worker(rank, world, port, mode, out):
 
 
 if __name__ == "__main__":
-    from megatron_k3.launch_env import free_port
+    from megatron_k3.train.launch_env import free_port
 
     port = free_port()
     mp.start_processes(worker, args=(2, port, sys.argv[1], sys.argv[2]), nprocs=2, join=True, start_method="spawn")

@@ -1,4 +1,4 @@
-"""Run by tests/test_checkpoint.py under torchrun: with the distributed optimizer, saving and loading a
+"""Run by tests/checkpoint/test_checkpoint.py under torchrun: with the distributed optimizer, saving and loading a
 checkpoint moves no optimizer state between ranks. Every tensor collective of torch.distributed (all
 threads: the background writer's too) is recorded with its element count while the trainer saves two steps'
 state and loads it back; the largest must stay far below this rank's optimizer shard. Prints one RESULT line.

@@ -1,8 +1,8 @@
-"""Run by tests/test_compat.py in a child process: k3-tiny in bf16 with megatron's fp32-master optimizer,
+"""Run by tests/parallel/test_patches.py in a child process: k3-tiny in bf16 with megatron's fp32-master optimizer,
 once as megatron builds it and once with ``coalesce_float16_params`` (the bf16 parameters and fp32 masters
 in two flat buffers, one copy kernel per step). Three steps on the same data give bit-identical parameters,
 masters and losses, and the coalesced copy is one ``copy_`` of the flat buffers. Then torch's fused AdamW (its
-CPU kernel; what ``fuse_torch_adamw`` switches to on CUDA) stepped by ``compat.LeanFusedAdamWStep`` equals the
+CPU kernel; what ``fuse_torch_adamw`` switches to on CUDA) stepped by ``patches.foreach_kernels.LeanFusedAdamWStep`` equals the
 same kernel stepped by torch, bit for bit."""
 import os
 import sys
@@ -15,10 +15,11 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1] if len(sys.ar
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from megatron_k3 import compat, perf  # noqa: E402
+from megatron_k3.patches import foreach_kernels  # noqa: E402
 from megatron_k3.config import get_preset  # noqa: E402
-from megatron_k3.layout import ParallelLayout  # noqa: E402
-from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
+from megatron_k3.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_k3.parallel import adapter  # noqa: E402
+from megatron_k3.parallel.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
                                           init_distributed, make_forward_step, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
@@ -36,9 +37,9 @@ def train(coalesce: bool, fused: str | None = None):
     opt = build_optimizer(ddp, lr=1e-2, bf16=True, coalesce=coalesce)
     if fused:  # torch's fused AdamW as on CUDA (its CPU kernel), stepped by torch or by LeanFusedAdamWStep
         perf.configure(lean_adamw=fused == "lean")
-        assert compat.fuse_torch_adamw(opt, device_types=("cpu",)) == 1
+        assert foreach_kernels.fuse_torch_adamw(opt, device_types=("cpu",)) == 1
         step = opt.chained_optimizers[0].optimizer.step
-        assert isinstance(step, compat.LeanFusedAdamWStep) == (fused == "lean")
+        assert isinstance(step, foreach_kernels.LeanFusedAdamWStep) == (fused == "lean")
     inners = getattr(opt, "chained_optimizers", [opt])  # megatron chains dense and expert parameters
     flats = [getattr(o, "k3_flat_params", None) for o in inners]
     assert all((f is not None) == coalesce for f in flats), flats

@@ -1,10 +1,11 @@
-"""Run by tests/test_compat.py in a child process (CPU mode patches torch process-wide): compat item 7's
+"""Run by tests/parallel/test_patches.py in a child process (CPU mode patches torch process-wide): patch 7's (patches/foreach_kernels.py)
 foreach stand-ins for apex's multi-tensor kernels equal megatron's own local loops (which they replace when
 neither Transformer Engine nor apex is importable), and are the ones megatron calls."""
 import sys
 import torch
 
 from megatron_k3 import compat
+from megatron_k3.patches import foreach_kernels
 
 compat.setup_device()
 
@@ -19,7 +20,7 @@ def test_l2_norm_equals_megatron_local(dtype):
     from megatron.core.utils import local_multi_tensor_l2_norm
 
     ts = _tensors(dtype)
-    ours, _ = compat.foreach_l2_norm(2048, None, [ts], False)
+    ours, _ = foreach_kernels.foreach_l2_norm(2048, None, [ts], False)
     ref, _ = local_multi_tensor_l2_norm(2048, None, [ts], False)
     assert ours.shape == (1,) and ours.dtype == torch.float32
     exact = float(torch.sqrt(sum((t.double() ** 2).sum() for t in ts)))
@@ -37,13 +38,13 @@ def test_scale_equals_megatron_local(scale):
     for dst_dtype in (torch.float32, torch.bfloat16):
         a = [torch.full_like(t, 9.0, dtype=dst_dtype) for t in src]
         b = [torch.full_like(t, 9.0, dtype=dst_dtype) for t in src]
-        compat.foreach_scale(2048, None, [src, a], scale)
+        foreach_kernels.foreach_scale(2048, None, [src, a], scale)
         local_multi_tensor_scale(2048, None, [src, b], scale)
         for x, y in zip(a, b):
             assert torch.equal(x, y)
     # in place (megatron's grad clipping passes [grads, grads])
     a, b = _tensors(torch.float32), _tensors(torch.float32)
-    compat.foreach_scale(2048, None, [a, a], scale)
+    foreach_kernels.foreach_scale(2048, None, [a, a], scale)
     local_multi_tensor_scale(2048, None, [b, b], scale)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
@@ -52,9 +53,9 @@ def test_scale_equals_megatron_local(scale):
 def test_installed_when_no_te_or_apex():
     from megatron.core.optimizer import clip_grads, optimizer as mopt
 
-    assert clip_grads.l2_norm_impl is compat.foreach_l2_norm
-    assert clip_grads.multi_tensor_scale_impl is compat.foreach_scale
-    assert mopt.multi_tensor_scale_impl is compat.foreach_scale
+    assert clip_grads.l2_norm_impl is foreach_kernels.foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is foreach_kernels.foreach_scale
+    assert mopt.multi_tensor_scale_impl is foreach_kernels.foreach_scale
     # megatron's gradient-norm entry point gives the exact norm through them
     g = _tensors(torch.float32)
     ps = []

@@ -1,4 +1,4 @@
-"""Run by tests/test_moe.py in a child process: at EP x TP = 1 the K3 MoE layers use
+"""Run by tests/model/test_moe.py in a child process: at EP x TP = 1 the K3 MoE layers use
 ``LocalAlltoAllDispatcher`` (no device-to-host copy or sync, no identity split/cat sort, the atomic-free gather
 permutation instead of megatron's permute/unpermute) and give bit-identical
 loss and gradients to megatron's stock all-to-all dispatcher, which does copy/sync/sort. Then, through
@@ -16,10 +16,10 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1] if len(sys.ar
 from megatron.core.transformer.moe import token_dispatcher as td  # noqa: E402
 
 from megatron_k3.config import get_preset  # noqa: E402
-from megatron_k3.layout import ParallelLayout  # noqa: E402
-from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.experts import LocalAlltoAllDispatcher  # noqa: E402
-from megatron_k3.megatron.runtime import build_model_chunks, init_distributed  # noqa: E402
+from megatron_k3.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_k3.parallel import adapter  # noqa: E402
+from megatron_k3.patches.local_dispatcher import LocalAlltoAllDispatcher  # noqa: E402
+from megatron_k3.parallel.runtime import build_model_chunks, init_distributed  # noqa: E402
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
 calls = {"dtoh": 0, "sort": 0, "permute": 0}
@@ -81,8 +81,8 @@ for n in local[1]:
 print("dispatch check OK", float(local[0]), len(dispatchers), "MoE layers", stock_calls)
 
 # ---- weight-gradient accumulation fusion of the grouped experts, through megatron's DDP
-from megatron_k3.megatron.experts import GroupedExperts  # noqa: E402
-from megatron_k3.megatron.runtime import wrap_ddp  # noqa: E402
+from megatron_k3.parallel.experts import GroupedExperts  # noqa: E402
+from megatron_k3.parallel.runtime import wrap_ddp  # noqa: E402
 from megatron_k3.model.moe import stacked_main_grad  # noqa: E402
 
 for d in dispatchers:

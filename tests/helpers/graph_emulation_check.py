@@ -1,4 +1,4 @@
-"""Run by tests/test_graphs.py in a child process: the layer-graph code path (``megatron/graphs.py``) on the
+"""Run by tests/parallel/test_graphs.py in a child process: the layer-graph code path (``megatron/graphs.py``) on the
 CPU, with ``torch.cuda.make_graphed_callables`` replaced by an eager emulation of its buffer semantics.
 
 What the emulation keeps from the real thing (torch/cuda/graphs.py): warm-up iterations (forward +
@@ -7,7 +7,7 @@ undo), one set of static inputs per callable that each call copies into, static 
 gradient buffers that every call overwrites in place and hands out as detached tensors, and an autograd
 node whose backward fills the static gradients of the inputs and of the module's parameters. What it
 cannot check: anything about capture itself (illegal calls during capture, kernels recorded once); that
-is ``tools/gpu_check.py --only graphs`` on a GPU.
+is ``benchmarks/gpu_check.py --only graphs`` on a GPU.
 
 Checked: the model trained through megatron's schedule (2 micro-batches accumulated per step), DDP and
 Adam for 3 steps with every layer "graphed" gives the same losses, first-step gradients (main_grad) and
@@ -26,11 +26,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 
 from megatron_k3 import perf  # noqa: E402
 from megatron_k3.config import get_preset  # noqa: E402
-from megatron_k3.layout import ParallelLayout  # noqa: E402
-from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.graphs import (_AddToMainGrad, capture_layer_graphs, layer_graph_replays,  # noqa: E402
+from megatron_k3.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_k3.parallel import adapter  # noqa: E402
+from megatron_k3.parallel.graphs import (_AddToMainGrad, capture_layer_graphs, layer_graph_replays,  # noqa: E402
                                          main_grad_params, release_layer_graphs)
-from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
+from megatron_k3.parallel.runtime import (build_model_chunks, build_optimizer,  # noqa: E402
                                           init_distributed, make_forward_step, moe_routers, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_init.py under torchrun with 2 ranks (gloo).
+"""Run by tests/parallel/test_init.py under torchrun with 2 ranks (gloo).
 
 ``layouts``: the per-rank initialisation (``runtime.build_model_chunks(init_seed=...)``) of DP2 (TP1 per rank),
 TP2 (+SP), PP2 and EP2 gives, gathered through the weight adapter, exactly the golden
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_k3.config import get_preset
-from megatron_k3.layout import ParallelLayout
-from megatron_k3.megatron import adapter
-from megatron_k3.megatron.runtime import build_model_chunks, init_distributed
+from megatron_k3.parallel.layout import ParallelLayout
+from megatron_k3.parallel import adapter
+from megatron_k3.parallel.runtime import build_model_chunks, init_distributed
 from megatron_k3.model import K3ForCausalLM, hf_shapes
 
 mode = sys.argv[1]

@@ -1,4 +1,4 @@
-"""Run by tests/test_compat.py in a child process: compat item 9 (megatron's gradient norm and clip without a
+"""Run by tests/parallel/test_patches.py in a child process: patch 9 (patches/lean_grad_clip.py) (megatron's gradient norm and clip without a
 host sync and without per-step parameter filters) against the unpatched megatron functions, on k3-tiny in
 bf16 with megatron's fp32-master optimizer:
 
@@ -26,10 +26,11 @@ from megatron.core.optimizer import clip_grads, optimizer as mopt  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from megatron_k3 import compat  # noqa: E402
+from megatron_k3.patches import foreach_kernels  # noqa: E402
 from megatron_k3.config import get_preset  # noqa: E402
-from megatron_k3.layout import ParallelLayout  # noqa: E402
-from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer, init_distributed,  # noqa: E402
+from megatron_k3.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_k3.parallel import adapter  # noqa: E402
+from megatron_k3.parallel.runtime import (build_model_chunks, build_optimizer, init_distributed,  # noqa: E402
                                           make_forward_step, wrap_ddp)
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
@@ -137,7 +138,7 @@ def train(impls, steps=3):
 
 # megatron's own device-tensor path (what it runs with Transformer Engine's multi_tensor_scale_tensor): item 9's
 # cached filters and lean DTensor checks change nothing, bit for bit
-TENSOR_PATH = dict(UNPATCHED, multi_tensor_scale_tensor_impl=compat.foreach_scale)
+TENSOR_PATH = dict(UNPATCHED, multi_tensor_scale_tensor_impl=foreach_kernels.foreach_scale)
 la, pa, ra, ga, ma = train(TENSOR_PATH)
 lb, pb, rb, gb, mb = train(PATCHED)
 assert ra[1:] == [0, 0] and rb[1:] == [0, 0], (ra, rb)  # no host read after the first step (which caches

@@ -1,4 +1,4 @@
-"""The host-streamed optimizer (megatron_k3/offload.py) against megatron-core's own optimizer, on CPU/gloo.
+"""The host-streamed optimizer (megatron_k3/optim/offload.py) against megatron-core's own optimizer, on CPU/gloo.
 
     python offload_check.py OUT.json --world 2 --case dp2-fp32-distopt ...
 
@@ -84,13 +84,13 @@ def _worker(rank, world, port, out_path, cases, steps, chunk_bytes):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_k3.config import get_preset
-    from megatron_k3.layout import ParallelLayout
-    from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import (build_model_chunks, build_optimizer,
+    from megatron_k3.parallel.layout import ParallelLayout
+    from megatron_k3.parallel import adapter
+    from megatron_k3.parallel.runtime import (build_model_chunks, build_optimizer,
                                               init_distributed, make_forward_step, wrap_ddp)
     from megatron_k3.model import K3ForCausalLM
-    from megatron_k3.offload import build_host_stream_optimizer
-    from megatron_k3.verify import make_batches
+    from megatron_k3.optim.offload import build_host_stream_optimizer
+    from megatron_k3.parallel.verify import make_batches
 
     cfg = get_preset("k3-tiny")
     init_sd = K3ForCausalLM(cfg, seed=7).state_dict()
@@ -211,7 +211,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--chunk-bytes", type=int, default=40_000)
     a = ap.parse_args()
-    from megatron_k3.launch_env import free_port
+    from megatron_k3.train.launch_env import free_port
 
     port = free_port()
     import torch.multiprocessing as mp

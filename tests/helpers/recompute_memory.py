@@ -15,9 +15,9 @@ def main():
     from megatron.core import parallel_state as ps
 
     from megatron_k3.config import get_preset
-    from megatron_k3.layout import ParallelLayout
-    from megatron_k3.megatron import adapter
-    from megatron_k3.megatron.runtime import build_model_chunks, init_distributed
+    from megatron_k3.parallel.layout import ParallelLayout
+    from megatron_k3.parallel import adapter
+    from megatron_k3.parallel.runtime import build_model_chunks, init_distributed
     from megatron_k3.model import K3ForCausalLM
 
     cfg = get_preset("k3-tiny")

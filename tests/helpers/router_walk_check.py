@@ -1,4 +1,4 @@
-"""Run by tests/test_compat.py in a child process: compat item 8 (megatron's per-step router walks over a
+"""Run by tests/parallel/test_patches.py in a child process: patch 8 (patches/router_walks.py) (megatron's per-step router walks over a
 cached list of each chunk's router-state modules) and the cached ``runtime.moe_routers`` give what the
 unpatched walks give. k3-tiny with MTP on megatron's DDP, after a training forward (non-zero token counts):
 megatron's expert-bias update gives bit-identical biases through the patched and the original function, and
@@ -15,9 +15,9 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1] if len(sys.ar
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
 from megatron_k3.config import get_preset  # noqa: E402
-from megatron_k3.layout import ParallelLayout  # noqa: E402
-from megatron_k3.megatron import adapter  # noqa: E402
-from megatron_k3.megatron.runtime import build_model_chunks, init_distributed, moe_routers, wrap_ddp  # noqa: E402
+from megatron_k3.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_k3.parallel import adapter  # noqa: E402
+from megatron_k3.parallel.runtime import build_model_chunks, init_distributed, moe_routers, wrap_ddp  # noqa: E402
 from megatron_k3.model import K3ForCausalLM  # noqa: E402
 
 cfg = get_preset("k3-tiny", num_nextn_predict_layers=1)

@@ -1,0 +1,349 @@
+"""K3 layers as megatron-core modules: tensor, sequence, context and expert parallel.
+
+The math is the golden model's (``megatron_k3.model``): each parallel module here *is* the golden module
+built at its shard's size (a tensor-parallel rank holds ``heads / TP`` whole heads, ``width / TP`` FFN
+columns), with the parameter names of the release, plus the communication of ``comm.py`` around the math.
+Hidden states are sequence-first ``[S_local, B, D]`` (megatron's convention).
+
+Parameter kinds, marked for megatron's DDP, grad-norm and checkpointing:
+- sharded over TP (``tensor_model_parallel=True``, ``partition_dim``): head-/column-split weights;
+- TP-partial (``k3_tp_partial=True``): replicated weights that feed only this rank's heads (KDA's
+  ``f_a_proj``/``o_norm``, MLA's low-rank down projections and their norms); their gradients are summed
+  over TP by ``finalize_k3_grads``;
+- per-token replicated (norms, AttnRes, latent projections, router): under sequence parallelism each rank
+  sees a sequence shard, so they carry ``sequence_parallel=True`` and megatron sums them over TP;
+- experts (``allreduce=False``): reduced over the expert-data-parallel group.
+
+Stable LatentMoE runs on megatron's ``MoELayer`` (sigmoid ``TopKRouter`` with expert bias, all-to-all
+dispatcher, ``SequentialMLP`` experts with the SiTU-GLU activation module); megatron's latent projections
+require Transformer Engine and have no norm, so this layer adds its own down/up projections and the latent
+RMSNorm around dispatch and combine. Shared experts are a tensor-parallel SiTU-GLU MLP beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..model.kda import KimiDeltaAttention
+from ..model.k3 import K3DecoderLayer
+from ..model.mla import GatedMLA
+from ..model.moe import MLP
+from ..model.common import Linear, RMSNorm
+from ..model.situ import glu_activation_stream, silu_glu, situ_glu_stream
+from .comm import ParallelCtx, cp_head_slice, cp_heads_to_seq, cp_seq_to_heads, tp_enter, tp_exit
+
+
+def local_config(cfg, tp: int):
+    """The golden config at one tensor-parallel shard's size (no validation: it is not a model of its own)."""
+    return dataclasses.replace(
+        cfg, kda_num_heads=cfg.kda_num_heads // tp, num_attention_heads=cfg.num_attention_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp)
+
+
+def mark_tp(p: nn.Parameter, dim: int, stride: int = 1):
+    set_tensor_model_parallel_attributes(p, True, dim, stride)
+
+
+def mark_tp_partial(p: nn.Parameter):
+    p.k3_tp_partial = True
+
+
+def mark_replicated(module: nn.Module, ctx: ParallelCtx):
+    """Per-token replicated parameters: summed over TP by megatron when sequence parallel is on."""
+    for p in module.parameters(recurse=False):
+        p.sequence_parallel = ctx.sp
+
+
+def _seq_first(t):
+    return t.transpose(0, 1)
+
+
+def _batch_first(x):
+    """[S, B, D] -> [B, S, D] as one contiguous copy. The token mixers' projections all read it: on the
+    transposed view each ``F.linear`` would copy its input itself (a strided copy in forward and more in
+    backward, per projection: 6 projections in KDA), and keep its own copy for backward. Likewise the
+    output projection runs on the sequence-first copy of its input, so its output needs no transpose."""
+    return x.transpose(0, 1).contiguous()
+
+
+def recomputed(fn, *args, enabled: bool = False):
+    """``fn(*args)``, its activations recomputed in backward when ``enabled`` (selective recompute). The
+    recomputed cores draw no random numbers (K3 has no dropout), so the RNG state is not saved and restored
+    (reading the CUDA generator's state is also not allowed while a CUDA graph is captured: ``graphs.py``)."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
+def fused_linears(x: torch.Tensor, mods) -> list[torch.Tensor]:
+    """``[m(x) for m in mods]`` for bias-free ``Linear`` modules as one GEMM on the concatenated weights
+    (megatron's fused QKV, keeping the release's separate parameters): x is read once, its gradient is one
+    GEMM instead of one per projection plus the additions of autograd, and the narrow projections (KDA's
+    beta: H outputs) do not run as GEMMs of their own. The outputs are column slices of one tensor. Modules
+    of another type (Transformer Engine's under FP8: ``precision.py``) run one by one."""
+    if not all(type(m) is Linear for m in mods):
+        return [m(x) for m in mods]
+    y = F.linear(x, torch.cat([m.weight for m in mods]))
+    return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+class ParallelKDA(KimiDeltaAttention):
+    """KDA on ``H / TP`` heads per rank; CP by head-wise all-to-all."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0, recompute: bool = False):
+        super().__init__(local_config(cfg, ctx.tp), layer_idx)
+        self.ctx, self.recompute = ctx, recompute
+        for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "q_conv1d", "k_conv1d", "v_conv1d"):
+            mark_tp(getattr(self, name).weight, 0)
+        mark_tp(self.A_log, 0)
+        mark_tp(self.dt_bias, 0)
+        if cfg.use_full_rank_gate:
+            mark_tp(self.g_proj.weight, 0)
+        else:
+            mark_tp(self.g_b_proj.weight, 0)
+            mark_tp_partial(self.g_a_proj.weight)
+        mark_tp(self.o_proj.weight, 1)
+        mark_tp_partial(self.f_a_proj.weight)
+        mark_tp_partial(self.o_norm.weight)
+
+    def project(self, x):
+        """The golden ``project`` with the six projections of x as one GEMM (``fused_linears``)."""
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        full = self.cfg.use_full_rank_gate
+        q, k, v, fa, blogit, g = fused_linears(x, [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                                   self.g_proj if full else self.g_a_proj])
+        gate = g if full else self.g_b_proj(g)
+        return (q.view(B, T, H, d), k.view(B, T, H, d), v.view(B, T, H, d), self.f_b_proj(fa).view(B, T, H, d),
+                blogit, gate.view(B, T, H, d))
+
+    def forward(self, x):  # [s, B, D]
+        ctx = self.ctx
+        xb = _batch_first(tp_enter(x, ctx))                                # [B, S_cp, D]
+        q, k, v, graw, blogit, gate = self.project(xb)
+        heads = None
+        if ctx.cp > 1:
+            q, k, v, graw, blogit = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v, graw, blogit))
+            heads = cp_head_slice(self.num_heads, ctx)
+        o, _ = recomputed(self.mix, q, k, v, graw, blogit, heads, enabled=self.recompute)
+        if ctx.cp > 1:
+            o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
+        o = self.gated(o, gate, xb.dtype)                                  # [B, S_cp, H_tp d]
+        return tp_exit(self.o_proj(_seq_first(o).contiguous()), ctx)       # partial sum over TP
+
+
+class ParallelMLA(GatedMLA):
+    """Gated NoPE MLA on ``H / TP`` heads per rank; CP by head-wise all-to-all."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, layer_idx: int = 0, recompute: bool = False):
+        super().__init__(local_config(cfg, ctx.tp), layer_idx)
+        self.ctx, self.recompute = ctx, recompute
+        if cfg.q_lora_rank is not None:
+            mark_tp(self.q_b_proj.weight, 0)
+            for p in (self.q_a_proj.weight, self.q_a_layernorm.weight):
+                mark_tp_partial(p)
+        else:
+            mark_tp(self.q_proj.weight, 0)
+        mark_tp(self.kv_b_proj.weight, 0)
+        for p in (self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight):
+            mark_tp_partial(p)
+        mark_tp(self.o_proj.weight, 1)
+        if cfg.mla_use_output_gate:
+            mark_tp(self.g_proj.weight, 0)
+
+    def forward(self, x):
+        ctx = self.ctx
+        xb = _batch_first(tp_enter(x, ctx))
+        q, k, v = self.project_qkv(xb)                                     # [B, S_cp, H_tp, *]
+        if ctx.cp > 1:
+            q, k, v = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v))
+        o = recomputed(self.attend, q, k, v, enabled=self.recompute)
+        if ctx.cp > 1:
+            o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
+        return tp_exit(self.o_proj(_seq_first(self.gated(o, xb)).contiguous()), ctx)
+
+
+class ParallelMLP(MLP):
+    """SiTU-GLU MLP (dense layers and shared experts) with ``width / TP`` columns per rank."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, hidden: int, width: int, recompute: bool = False):
+        super().__init__(cfg, hidden, width // ctx.tp)
+        self.ctx, self.recompute = ctx, recompute
+        mark_tp(self.gate_proj.weight, 0)
+        mark_tp(self.up_proj.weight, 0)
+        mark_tp(self.down_proj.weight, 1)
+
+    def forward(self, x):
+        x = tp_enter(x, self.ctx)
+        c = self.cfg
+        h = recomputed(glu_activation_stream, self.gate_proj(x), self.up_proj(x), c.hidden_act,
+                       c.activation_situ_beta, c.activation_situ_linear_beta, enabled=self.recompute)
+        return tp_exit(self.down_proj(h), self.ctx)
+
+
+# ---------------------------------------------------------------------------------------------------------
+class GLUActivation(nn.Module):
+    """The expert activation on megatron's fc1 output [.., 2F] = [gate; up] (gate half first); SiTU-GLU
+    through the streaming op (``situ_glu_stream``: saves only the bf16 input)."""
+
+    def __init__(self, *, config=None, hidden_act: str = "situ", beta: float = 4.0, linear_beta: float = 25.0,
+                 recompute: bool = False):
+        super().__init__()
+        self.hidden_act, self.beta, self.linear_beta, self.recompute = hidden_act, beta, linear_beta, recompute
+
+    def _act(self, x):
+        if self.hidden_act == "situ":
+            return situ_glu_stream(x, self.beta, self.linear_beta)
+        return silu_glu(x)
+
+    def forward(self, x):
+        return recomputed(self._act, x, enabled=self.recompute)
+
+
+class K3Router(TopKRouter):
+    """megatron's sigmoid top-k router (bias in selection only), plus K3's balancing statistics.
+
+    Expert counts accumulate over every micro-batch of a step (megatron all-reduces them over TP x DP x CP
+    before its sign update in ``finalize_model_grads``); counting runs without torch.compile (20 s per
+    process on CPU). With ``k3_balancing = "quantile"`` each training forward also adds this micro-batch's
+    Quantile-Balancing shift (``megatron_k3.parallel.balancing``) to a running sum applied once per step."""
+
+    k3_balancing = "sign"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        E = self.config.num_moe_experts
+        self.register_buffer("k3_qb_sum", torch.zeros(E, dtype=torch.float64), persistent=False)
+        self.register_buffer("k3_qb_count", torch.zeros((), dtype=torch.float64), persistent=False)
+
+    def routing(self, logits, padding_mask=None):
+        if self.k3_balancing == "quantile" and self.training and torch.is_grad_enabled():
+            from .balancing import quantile_shift
+
+            with torch.no_grad():
+                scores = torch.sigmoid(logits.reshape(-1, self.config.num_moe_experts).float())
+                self.k3_qb_sum += quantile_shift(scores, self.expert_bias, self.topk).double()
+                self.k3_qb_count += 1
+        return super().routing(logits, padding_mask=padding_mask)
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & (~padding_mask)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def _build_experts(num_local_experts, config, *, pg_collection=None, name=None, expert_config=None,
+                   submodules=None):
+    from .experts import GroupedExperts
+
+    return GroupedExperts(num_local_experts, expert_config, submodules=submodules, pg_collection=pg_collection,
+                          name=name)
+
+
+class ParallelLatentMoE(MoELayer):
+    """Stable LatentMoE on megatron's MoELayer (``block_sparse_moe``)."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_number: int | None = None, recompute: bool = False):
+        act = functools.partial(GLUActivation, hidden_act=cfg.hidden_act, beta=cfg.activation_situ_beta,
+                                linear_beta=cfg.activation_situ_linear_beta, recompute=recompute)
+        mlp_sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=act)
+        # megatron's MoE under TP needs sequence-sharded tokens; without SP this layer shards them itself.
+        self_sp = ctx.tp > 1 and not ctx.sp
+        if self_sp:
+            tconfig = dataclasses.replace(tconfig, sequence_parallel=True)
+        expert_config = dataclasses.replace(tconfig, moe_latent_size=cfg.routed_expert_hidden_size)
+        experts = functools.partial(_build_experts, expert_config=expert_config, submodules=mlp_sub)
+        super().__init__(tconfig, MoESubmodules(experts=experts, router=K3Router), layer_number=layer_number)
+        self.k3cfg, self.ctx, self.self_sp = cfg, ctx, self_sp
+        if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher:  # sync-free when EP x TP = 1
+            from ..patches.local_dispatcher import LocalAlltoAllDispatcher
+
+            LocalAlltoAllDispatcher.adopt(self.token_dispatcher)
+        self.latent = cfg.routed_expert_hidden_size is not None
+        D, L = cfg.hidden_size, cfg.expert_width
+        if self.latent:
+            from ..model.common import scaled_init_std
+
+            self.routed_expert_down_proj = Linear(D, L, cfg.init_std)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
+            self.routed_expert_up_proj = Linear(L, D, scaled_init_std(cfg.init_std, cfg.num_hidden_layers))
+            for m in (self.routed_expert_down_proj, self.routed_expert_up_proj, getattr(self, "routed_expert_norm", None)):
+                if m is not None:
+                    mark_replicated(m, ctx)
+        for expert in self.experts.local_experts:  # [w1; w3]: two blocks for per-head Muon (= the release's w1, w3)
+            expert.linear_fc1.weight.k3_heads = (0, cfg.moe_intermediate_size)
+        if self_sp:  # per-token params on a sequence shard, but the model is not SP: sum their grads ourselves
+            for p in [self.router.weight] + [p for n, p in self.named_parameters() if n.startswith("routed_expert_")]:
+                mark_tp_partial(p)
+        if cfg.num_shared_experts > 0:
+            self.shared_experts = ParallelMLP(cfg, ctx, D, cfg.num_shared_experts * cfg.moe_intermediate_size,
+                                              recompute=recompute)
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        if self.latent:  # routing already ran on the full-width x; dispatch carries latent tokens
+            hidden_states = self.routed_expert_down_proj(hidden_states)
+        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def postprocess(self, output, shared_expert_output):
+        out = self.token_dispatcher.combine_postprocess(output)
+        if self.latent:
+            if self.k3cfg.latent_moe_use_norm:
+                out = self.routed_expert_norm(out)
+            out = self.routed_expert_up_proj(out)
+        return out
+
+    def forward(self, x):
+        if self.self_sp:
+            xs = mappings.scatter_to_sequence_parallel_region(x, self.ctx.tp_group)
+            out = mappings.gather_from_sequence_parallel_region(super().forward(xs)[0], False, self.ctx.tp_group)
+        else:
+            out, _ = super().forward(x)
+        if self.k3cfg.num_shared_experts > 0:
+            out = out + self.shared_experts(x)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+class ParallelK3Layer(K3DecoderLayer):
+    """The golden decoder layer (norms, Attention Residuals, residual stream) with parallel mixers/FFNs."""
+
+    def __init__(self, cfg, ctx: ParallelCtx, tconfig, layer_idx: int, kind=None, moe=None, attn_res=None,
+                 recompute: str = "none"):
+        # read by the factories below while the golden constructor runs
+        self._build = (ctx, tconfig, recompute == "selective")
+        super().__init__(cfg, layer_idx, kind=kind, moe=moe, attn_res=attn_res)
+        del self._build
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
+                     "self_attention_res_proj", "mlp_res_norm", "mlp_res_proj"):
+            if hasattr(self, name):
+                mark_replicated(getattr(self, name), ctx)
+
+    # the golden constructor asks these factories for its mixers and FFNs
+    def make_attention(self, cfg, layer_idx):
+        ctx, _, sel = self._build
+        cls = ParallelKDA if self.kind == "kda" else ParallelMLA
+        return cls(cfg, ctx, layer_idx, recompute=sel)
+
+    def make_moe(self, cfg):
+        ctx, tconfig, sel = self._build
+        return ParallelLatentMoE(cfg, ctx, tconfig, layer_number=self.layer_idx + 1, recompute=sel)
+
+    def make_mlp(self, cfg):
+        ctx, _, sel = self._build
+        return ParallelMLP(cfg, ctx, cfg.hidden_size, cfg.intermediate_size, recompute=sel)

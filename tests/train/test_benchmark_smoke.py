@@ -1,0 +1,164 @@
+"""The benchmark harness runs (CPU smoke mode); numbers come from the GPU, never from tests."""
+import json
+import os
+import subprocess
+import sys
+
+
+def test_benchmark_smoke(root, tmp_path):
+    """Smoke mode with gradient accumulation: a global batch of 2 micro-batches per step, timed through the
+    trainer's own loop and through ``Trainer.train_step``; the baselines train on the same micro-batches."""
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "benchmark.py"), "--smoke", "--global-batch-size",
+                        "4", "--baselines", "seed,seed_compiledconv,gptmodel", "--attn-res-impl", "compiled",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29688"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(out))
+    # the kernel choices are typed settings: part of the record and of the command that reruns it
+    assert rep["kernels"]["attn_res"] == "compiled" and "--attn-res-impl compiled" in rep["command"]
+    assert rep["tokens_per_s"] > 0 and len(rep["step_times_s"]) == 2 and rep["model_flops_per_token"] > 0
+    assert rep["num_microbatches"] == 2 and rep["global_batch_size"] == 4 and len(rep["losses"]) == 4
+    # tokens per step: 2 micro-batches of 2 x 128
+    assert abs(rep["tokens_per_s"] * rep["median_step_s"] - 2 * 2 * 128) < 1e-6
+    # the trainer's own loop ran the same step first (its losses continue into the harness's: one run)
+    loop = rep["trainer_loop"]
+    assert loop["steps"] == 4 and len(loop["step_time_s"]) == 2 and loop["median_step_s"] > 0
+    assert rep["trainer_loop_vs_train_step"] == loop["median_step_s"] / rep["median_step_s"]
+    assert rep["data"]["windows"] > 0 and rep["data"]["path"].endswith(".zarr")
+    # every same-run baseline trained (GPTModel: local spec on CPU)
+    for name in ("seed", "seed_compiledconv", "gptmodel"):
+        b = rep["baselines"][name]
+        assert "error" not in b, b
+        assert len(b["step_times_s"]) == 2 and rep[f"speedup_vs_{name}"] > 0
+        assert abs(b["tokens_per_s"] * b["median_step_s"] - 2 * 2 * 128) < 1e-6
+
+
+def test_gpu_tools_import(root):
+    """The GPU-only tools (gpu_check, bench_ops) import and parse their arguments here (they run on the GPU)."""
+    for tool in ("gpu_check.py", "bench_ops.py", "bench_scaling.py"):
+        r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", tool), "--help"], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+        assert r.returncode == 0 and "usage" in r.stdout, tool + r.stderr[-2000:]
+
+
+def test_bench_scaling_smoke(root, tmp_path):
+    """1 rank, DP2 and EP2 (two gloo ranks each) through benchmark.py; the report compares per-rank tokens/s."""
+    out = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_scaling.py"), "--smoke", "--master-port",
+                        "29741", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.load(open(out))["runs"]
+    assert [runs[n]["layout"] for n in ("1", "dp2", "ep2")] == ["TP1 PP1 EP1 CP1 DP1", "TP1 PP1 EP1 CP1 DP2",
+                                                                  "TP1 PP1 EP2 CP1 DP2"]
+    for n in ("dp2", "ep2"):
+        x = runs[n]
+        assert x["world_size"] == 2 and x["tokens_per_s"] > 0 and len(x["step_times_s"]) == 2
+        assert abs(x["per_gpu_vs_1gpu"] - x["tokens_per_s"] / runs["1"]["tokens_per_s"]) < 1e-12
+        assert abs(x["tokens_per_s_all_gpus"] - 2 * x["tokens_per_s"]) < 1e-6
+
+
+def test_bench_host_smoke(root, tmp_path):
+    """benchmarks/bench_host.py at k3-tiny's structure: one timed step, every timed piece reported (numbers mean
+    nothing here; the committed k3-mini JSON is benchmarks/results/bench_host_*.json)."""
+    out = tmp_path / "h.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_host.py"), "--preset", "k3-tiny", "--steps",
+                        "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29749"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.load(open(out))
+    t = rep["median_ms_per_step"]
+    for k in ("wall", "forward_backward", "finalize_k3_grads", "reset_model_temporary_tensors", "moe_routers",
+              "optimizer_step", "grad_norm", "clip", "zero_grad"):
+        assert k in t and t[k] >= 0, k
+    assert t["wall"] >= t["forward_backward"] + t["optimizer_step"] and rep["parameter_tensors"] > 100
+
+
+def test_preload_torch_cudnn_maps_torch_cudnn(root):
+    """gpu_check's preload mode loads the pip cuDNN's parts (the package is installed with torch here too) into
+    the process, libcudnn_graph first, so later loads by soname find them instead of a system cuDNN."""
+    code = ("import sys; sys.argv = ['x']; import gpu_check; "
+            "libs = gpu_check.preload_torch_cudnn(); print(libs); "
+            "maps = open('/proc/self/maps').read(); "
+            "assert libs and 'libcudnn_graph' in libs[0] and libs[-1].endswith('/libcudnn.so.9'), libs; "
+            "assert all(f in maps for f in libs), 'not mapped'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "benchmarks")])))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_idle_gaps_charges_each_gap_to_its_host_phase(bench_module):
+    """The device-idle analysis of the profiled step (``idle_gaps``) on a hand-made timeline (microseconds)."""
+    idle_gaps = bench_module("benchmark").idle_gaps
+    kernels = [(0, 10, "a"), (5, 12, "b"), (2, 4, "inside_a"),   # overlapping and nested kernels: no gap
+               (20, 30, "c"), (100, 110, "d"), (111, 120, "e"), (140, 150, "f"),
+               (151, 160, "e"), (163, 170, "f")]                   # two more e -> f gaps (unannotated)
+    ranges = [(0, 80, "k3.forward_backward"), (0, 15, "k3.forward"), (85, 125, "k3.optimizer_step")]
+    r = idle_gaps(kernels, ranges)
+    # gaps: 12-20 (backward: in forward_backward, after k3.forward), 30-100 (backward), 110-111 (optimizer),
+    # 120-140 (midpoint 130: no phase)
+    # 120-140 (midpoint 130: no phase), 150-151 and 160-163 (no phase)
+    assert abs(r["idle_s"] - 103e-6) < 1e-12
+    assert list(r["by_phase_s"]) == ["backward", "unannotated", "optimizer_step"]  # largest first
+    assert all(abs(r["by_phase_s"][k] - v) < 1e-12 for k, v in (("backward", 78e-6), ("unannotated", 24e-6),
+                                                                  ("optimizer_step", 1e-6)))
+    assert r["longest"][0] == {"us": 70, "phase": "backward", "cause": "unknown", "after_kernel": "c",
+                               "before_kernel": "d"}
+    assert r["longest"][-1]["us"] == 1 and len(r["longest"]) == 6
+    # by kind of gap, most idle first: the two e -> f gaps (20 + 3 us) are one entry
+    assert r["by_pair"][:3] == [
+        {"us_total": 70, "count": 1, "phase": "backward", "cause": "unknown", "after_kernel": "c", "before_kernel": "d"},
+        {"us_total": 23, "count": 2, "phase": "unannotated", "cause": "unknown", "after_kernel": "e",
+         "before_kernel": "f"},
+        {"us_total": 8, "count": 1, "phase": "backward", "cause": "unknown", "after_kernel": "b", "before_kernel": "c"}]
+    assert len(r["by_pair"]) == 5 and sum(p["count"] for p in r["by_pair"]) == 6
+    assert r["by_cause_s"] == {"unknown": 103e-6}  # no launch ids: no cause
+    assert idle_gaps([], ranges) == {"idle_s": 0.0, "by_phase_s": {}, "by_cause_s": {}, "longest": [], "by_pair": []}
+
+
+def test_idle_gaps_names_the_cause_of_each_gap(bench_module):
+    """With the launching host call of each kernel: a gap inside one launch (a replayed graph), a next kernel
+    launched only after the device went idle (host-bound), or launched before (the device waited)."""
+    idle_gaps = bench_module("benchmark").idle_gaps
+    kernels = [(0, 10, "g1", 7), (15, 20, "g2", 7),      # 10-15: both from launch 7 (one graph replay)
+               (50, 60, "k", 8),                          # 20-50: launch 8 called at host time 40 (late)
+               (70, 80, "m", 9),                          # 60-70: launch 9 called at 30, before the gap
+               (90, 95, "x", None)]                       # 80-90: no launch id
+    launches = {7: (0, "cudaGraphLaunch"), 8: (40, "cudaLaunchKernel"), 9: (30, "cuLaunchKernelEx")}
+    r = idle_gaps(kernels, [], launches)
+    assert r["by_cause_s"] == {"host_late": 30e-6, "device_wait": 10e-6, "unknown": 10e-6, "in_launch": 5e-6}
+    assert [(g["cause"], g["us"]) for g in r["longest"]] == [("host_late", 30), ("device_wait", 10),
+                                                              ("unknown", 10), ("in_launch", 5)]
+    assert r["by_pair"][0] == {"us_total": 30, "count": 1, "phase": "unannotated", "cause": "host_late",
+                               "after_kernel": "g2", "before_kernel": "k"}
+
+
+def test_profile_intervals_reads_the_phase_ranges(bench_module):
+    """``profile_intervals`` takes the ``k3.*`` host ranges (and, on CUDA, the kernels) from a real profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    profile_intervals = bench_module("benchmark").profile_intervals
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("k3.forward"):
+            torch.ones(64, 64).sum()
+        with record_function("other"):
+            torch.ones(8).sum()
+    kernels, ranges, launches = profile_intervals(prof)
+    assert kernels == [] and launches == {}
+    assert [n for _, _, n in ranges] == ["k3.forward"] and ranges[0][1] > ranges[0][0]
+
+
+def test_device_ranges_are_not_kernels(bench_module):
+    """Annotation ranges on the device timeline (``Optimizer.step#...``, the ``k3.*`` phases) are not counted
+    as kernels by the breakdown or the idle analysis; kernels and copies are."""
+    from types import SimpleNamespace
+
+    is_device_kernel = bench_module("benchmark").is_device_kernel
+    cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
+    ev = lambda dev, ann=False: SimpleNamespace(device_type=dev, is_user_annotation=ann)  # noqa: E731
+    assert is_device_kernel(ev(cuda), "nvjet_sm90_tst_256x128") and is_device_kernel(ev(cuda), "Memcpy DtoD")
+    for e, name in ((ev(cuda), "k3.forward_backward"), (ev(cuda), "Optimizer.step#AdamW.step"),
+                    (ev(cuda, True), "my_range"), (ev(cpu), "aten::mm")):
+        assert not is_device_kernel(e, name), name
