@@ -259,7 +259,10 @@ def test_sigkill_at_random_moments_under_the_supervisor(root, tmp_path):
            "--backoff", "0.1", "--save", str(save), "--", sys.executable, os.path.join(root, "launchers", "pretrain_k3.py"),
            *TRAIN, *map(str, common), "--run-dir", str(tmp_path / "run"), "--save", str(save), "--load", str(save),
            "--save-interval", "2"]
-    sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(root), cwd=root)
+    # Output goes to a file, not a pipe: nobody reads a pipe while the kills run, and once its 64 KiB buffer is
+    # full the trainer blocks in print() and stops making progress (the cause of a CI timeout, 2026-12-04).
+    log = tmp_path / "supervisor.log"
+    sup = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, env=_env(root), cwd=root)
     rng = random.Random(0)
     kills, mid_write = 0, 0
 
@@ -302,7 +305,8 @@ def test_sigkill_at_random_moments_under_the_supervisor(root, tmp_path):
         if (save / "latest_checkpointed_iteration.txt").exists():  # latest names a complete, intact checkpoint
             d = resolve(save)
             assert verify_files(d, read_meta(d)) == []
-    out, _ = sup.communicate(timeout=600)
+    sup.wait(timeout=600)
+    out = log.read_text()
     assert sup.returncode == 0, out[-4000:]
     assert kills == n_kills and mid_write >= 3, (kills, mid_write, out[-3000:])
     ref, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
@@ -372,7 +376,8 @@ def test_kill9_during_async_write_keeps_previous_checkpoint(root, tmp_path):
     args = ["--train-iters", "8", "--save", ck, "--load", ck, "--save-interval", "2", "--ckpt-write-limit-mbps", "0.5",
             "--run-dir", tmp_path / "run"]
     cmd = [sys.executable, os.path.join(root, "launchers", "pretrain_k3.py")] + TRAIN + [str(a) for a in args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(root), cwd=root)
+    p = subprocess.Popen(cmd, stdout=open(tmp_path / "train.log", "w"), stderr=subprocess.STDOUT, env=_env(root),
+                         cwd=root)  # a file: an unread pipe would fill and stall the trainer
     tracker, tmp4 = ck / "latest_checkpointed_iteration.txt", ck / "iter_0000004.tmp"
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None:

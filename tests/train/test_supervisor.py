@@ -238,7 +238,8 @@ def test_watchdog_restarts_a_stalled_real_trainer(tmp_path):
            "--", sys.executable, os.path.join(ROOT, "launchers", "pretrain_k3.py"), "--train-iters", "12",
            "--micro-batch-size", "2", "--global-batch-size", "2", "--save", str(save), "--load", str(save),
            "--save-interval", "4", "--run-dir", str(run), "--wandb-mode", "disabled"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    out_log, err_log = tmp_path / "stdout.log", tmp_path / "stderr.log"  # files: an unread pipe would fill and
+    p = subprocess.Popen(cmd, stdout=open(out_log, "w"), stderr=open(err_log, "w"), text=True,  # stall the trainer
                          env=dict(os.environ, PYTHONPATH=ROOT))
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 240
@@ -253,7 +254,8 @@ def test_watchdog_restarts_a_stalled_real_trainer(tmp_path):
     assert len(kids) == 1
     os.killpg(kids[0].pid, signal.SIGSTOP)
     stopped_at = sum(1 for _ in open(metrics))
-    out, err = p.communicate(timeout=300)
+    p.wait(timeout=300)
+    err = err_log.read_text()
     assert p.returncode == 0, err[-3000:]
     assert "no progress for" in err and "stopping the child" in err and "SIGKILL" in err, err[-3000:]
     assert "attempt 1: failed (hung, stopped (killed by SIGKILL))" in err, err[-3000:]
