@@ -107,7 +107,7 @@ STREAM_BUFFERS = 2 * 32 * MiB  # host-stream offload: pinned chunk buffers' devi
 def _layers_source() -> str:
     import os
 
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron", "layers.py")) as f:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel", "layers.py")) as f:
         return f.read()
 
 

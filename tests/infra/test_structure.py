@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 PACKAGES = ("megatron_k3", "checkpoints_io")
-PRODUCT = ("megatron_k3", "checkpoints_io", "launchers", "benchmarks", "benchmarks")
+PRODUCT = ("megatron_k3", "checkpoints_io", "launchers", "tools", "benchmarks")
 
 
 def _modules(root):
