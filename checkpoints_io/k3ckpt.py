@@ -95,6 +95,9 @@ def _crc_filesystem(base_cls):
 
         @contextmanager
         def create_stream(self, path, mode):
+            import time
+
+            t0 = time.perf_counter()
             with super().create_stream(path, mode) as s:
                 if mode != "wb":
                     yield s
@@ -102,6 +105,9 @@ def _crc_filesystem(base_cls):
                 w = _CRCStream(s, None, os.path.basename(str(path)))
                 yield w
                 self.digests[w.name] = {"bytes": w.n, "crc32": w.crc}
+            # the data files' phase of a save (first open to last close): the write time without DCP's planning
+            self.span = (min(self.span[0], t0), max(self.span[1], time.perf_counter())) if self.span else \
+                (t0, time.perf_counter())
 
         def rename(self, path, new_path):  # DCP writes .metadata.tmp and renames it
             super().rename(path, new_path)
@@ -120,6 +126,7 @@ def _checksumming_writer(path, kind: str, thread_count: int = 1, limit_bytes_per
     fs = fs_cls.__new__(fs_cls)
     fs.__dict__.update(writer.fs.__dict__)
     fs.digests = {}
+    fs.span = None
     writer.fs = fs
     return writer
 
@@ -160,6 +167,8 @@ def _save_strategy(kind: str, digests_out: dict, saver=None, group=None, thread_
                 digests_out.update(writer.fs.digests)
                 if saver is not None:
                     saver.last["write_s"] = time.perf_counter() - t
+                    span = writer.fs.span
+                    saver.last["files_s"] = (span[1] - span[0]) if span else None
                 if after_write is not None:
                     after_write()
 
