@@ -11,8 +11,8 @@ written in the background through the O_DIRECT writer with ``--ckpt-write-thread
 goes on: the loop's stall (what ``save`` blocks for), the background write's time and bandwidth (``write_s``:
 the whole ``dcp.save`` with its planning; ``files_s``: first data file opened to last one closed), the steps'
 times during the write, and the extra device memory of the save (peak allocated minus before); (2) the same
-save again (the host buffer reused; ``--save-threads 8,8,16``: one save per entry with that many writer
-threads); (3) a synchronous save through PyTorch DCP's stock ``FileSystemWriter``
+save again (the host buffer reused; ``--save-threads 8p,8p,8t,8t``: one save per entry with that many
+writers, processes or threads, ``--ckpt-write-workers``); (3) a synchronous save through PyTorch DCP's stock ``FileSystemWriter``
 (one thread, buffered), the same-run baseline; plus the disk's own O_DIRECT write bandwidth (``raw_disk``:
 aligned 64 MiB writes of 4 GiB, fsync) for reference.
 
@@ -128,8 +128,15 @@ def trainer_bench(base: str, flags: list[str], steps_during: int = 6, threads: l
     out = {"flags": flags, "warm_step_times_s": warm, "async": []}
     # the first save allocates the host staging buffer; later ones reuse it. One round per entry of ``threads``
     # (writer threads of that save; default: the configured count, twice)
-    for th in threads or [job.checkpoint.ckpt_write_threads] * 2:
+    for spec in threads or [str(job.checkpoint.ckpt_write_threads)] * 2:
+        th, mode = int(spec.rstrip("pt")), {"p": "processes", "t": "threads"}.get(spec[-1], job.checkpoint.ckpt_write_workers)
         job.checkpoint.ckpt_write_threads = th
+        if mode != job.checkpoint.ckpt_write_workers:  # another kind of writer: a new saver (its first save allocates)
+            from checkpoints_io.k3ckpt import AsyncSaver
+
+            job.checkpoint.ckpt_write_workers = mode
+            t.saver.close()
+            t.saver = AsyncSaver(processes=t._write_processes())
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() if cuda else 0
@@ -150,7 +157,10 @@ def trainer_bench(base: str, flags: list[str], steps_during: int = 6, threads: l
                              "files_GB_per_s": nbytes / w["files_s"] / 1e9 if w.get("files_s") else None,
                              "staged_bytes": w.get("bytes"), "extra_device_memory_bytes": peak_extra,
                              "step_times_during_write_s": during, "waited_after_steps_s": waited,
-                             "threads": job.checkpoint.ckpt_write_threads, "writer": job.checkpoint.ckpt_writer})
+                             "threads": job.checkpoint.ckpt_write_threads, "writer": job.checkpoint.ckpt_writer,
+                             "workers": "processes" if t.saver.processes else "threads",
+                             "staging_pinned": bool(t.saver.shared.pinned) if t.saver.shared is not None
+                             else bool(t.saver.buffer is not None and t.saver.buffer.is_pinned())})
         shutil.rmtree(path, ignore_errors=True)
     # the same-run baseline: a synchronous save through DCP's stock writer, one thread
     job.checkpoint.async_save, job.checkpoint.ckpt_writer, job.checkpoint.ckpt_write_threads = False, "buffered", 1
@@ -178,8 +188,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--trainer", action="store_true", help="benchmark the trainer's own save (trainer flags after --)")
     ap.add_argument("--save-threads", default=None,
-                    help="--trainer: comma list, one asynchronous save per entry with that many writer threads "
-                         "(default: the trainer's --ckpt-write-threads, two saves)")
+                    help="--trainer: comma list, one asynchronous save per entry with that many writers, suffix p "
+                         "for processes, t for threads (e.g. 8p,8p,8t,8t; default: the trainer's settings, two saves)")
     ap.add_argument("--raw-gib", type=float, default=4.0, help="size of the raw O_DIRECT disk measurement")
     ap.add_argument("--variants", default=None,
                     help="writer micro-benchmark: comma list of THREADSxCRC (e.g. 4xon,8xoff): the O_DIRECT writer with "
@@ -194,10 +204,17 @@ def main():
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                "command": " ".join(["python", "benchmarks/bench_checkpoint.py"] + sys.argv[1:]), "dir": base,
                "raw_disk_odirect": raw_odirect_bandwidth(base, args.raw_gib)}
-        threads = [int(x) for x in args.save_threads.split(",")] if args.save_threads else None
+        threads = args.save_threads.split(",") if args.save_threads else None
         rep["trainer_save"] = trainer_bench(base, flags, threads=threads)
         rounds = rep["trainer_save"]["async"][1:] or rep["trainer_save"]["async"]  # the first allocates staging
         a = max(rounds, key=lambda x: x["GB_per_s"])
+        rep["summary_by_workers"] = {
+            w: {"write_GB_per_s": [x["GB_per_s"] for x in rep["trainer_save"]["async"] if x["workers"] == w],
+                "files_GB_per_s": [x["files_GB_per_s"] for x in rep["trainer_save"]["async"] if x["workers"] == w],
+                "stall_s": [x["stall_s"] for x in rep["trainer_save"]["async"] if x["workers"] == w],
+                "step_times_during_write_s": [x["step_times_during_write_s"] for x in rep["trainer_save"]["async"]
+                                              if x["workers"] == w]}
+            for w in sorted({x["workers"] for x in rep["trainer_save"]["async"]})}
         rep["summary"] = {"stall_s": [x["stall_s"] for x in rep["trainer_save"]["async"]],
                           "write_GB_per_s": a["GB_per_s"], "write_threads": a["threads"],
                           "write_vs_raw_disk": a["GB_per_s"] / rep["raw_disk_odirect"]["GB_per_s"],
@@ -221,19 +238,17 @@ def main():
     total = n * 4 * args.tensors
     report = {"size_bytes": total, "dir": base, "odirect_supported": odirect_supported(base), "writers": {}}
     if args.variants:
-        from checkpoints_io.k3ckpt import _checksumming_writer
+        from checkpoints_io.odirect import checksumming_writer
 
         report["raw_disk_odirect"] = raw_odirect_bandwidth(base, args.raw_gib)
         for v in args.variants.split(","):
             th, crc = v.split("x")
             path = os.path.join(base, f"v{v}")
             shutil.rmtree(path, ignore_errors=True)
-            prev = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(crc == "on")
             t0 = time.perf_counter()
-            dcp.save(sd, storage_writer=_checksumming_writer(path, "odirect", thread_count=int(th)), no_dist=True)
+            dcp.save(sd, storage_writer=checksumming_writer(path, "odirect", thread_count=int(th),
+                                                            record_crc=crc == "on"), no_dist=True)
             dt = time.perf_counter() - t0
-            torch.serialization.set_crc32_options(prev)
             report["writers"][f"odirect_{th}threads_torchcrc_{crc}"] = {"seconds": dt, "GB_per_s": total / dt / 1e9}
             shutil.rmtree(path, ignore_errors=True)
         report["command"] = " ".join(["python", "benchmarks/bench_checkpoint.py"] + sys.argv[1:])

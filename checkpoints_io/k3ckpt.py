@@ -70,65 +70,8 @@ def iter_name(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-# ------------------------------------------------------------------------------------------------------
-# storage: checksumming wrapper around the O_DIRECT / buffered DCP writers
-class _CRCStream:
-    def __init__(self, inner, sink, name):
-        self.inner, self.sink, self.name = inner, sink, name
-        self.crc, self.n = 0, 0
-
-    def write(self, data):
-        mv = memoryview(data).cast("B")
-        self.crc = zlib.crc32(mv, self.crc)
-        self.n += len(mv)
-        return self.inner.write(data)
-
-    def __getattr__(self, k):
-        return getattr(self.inner, k)
-
-
-def _crc_filesystem(base_cls):
-    class CRCFileSystem(base_cls):
-        """Records size and CRC32 of every file written (computed from the bytes as they pass)."""
-
-        digests: dict
-
-        @contextmanager
-        def create_stream(self, path, mode):
-            import time
-
-            t0 = time.perf_counter()
-            with super().create_stream(path, mode) as s:
-                if mode != "wb":
-                    yield s
-                    return
-                w = _CRCStream(s, None, os.path.basename(str(path)))
-                yield w
-                self.digests[w.name] = {"bytes": w.n, "crc32": w.crc}
-            # the data files' phase of a save (first open to last close): the write time without DCP's planning
-            self.span = (min(self.span[0], t0), max(self.span[1], time.perf_counter())) if self.span else \
-                (t0, time.perf_counter())
-
-        def rename(self, path, new_path):  # DCP writes .metadata.tmp and renames it
-            super().rename(path, new_path)
-            old = os.path.basename(str(path))
-            if old in self.digests:
-                self.digests[os.path.basename(str(new_path))] = self.digests.pop(old)
-
-    return CRCFileSystem
-
-
-def _checksumming_writer(path, kind: str, thread_count: int = 1, limit_bytes_per_s: float = 0.0):
-    from checkpoints_io.odirect import make_writer
-
-    writer = make_writer(path, kind, thread_count=thread_count, limit_bytes_per_s=limit_bytes_per_s)
-    fs_cls = _crc_filesystem(type(writer.fs))
-    fs = fs_cls.__new__(fs_cls)
-    fs.__dict__.update(writer.fs.__dict__)
-    fs.digests = {}
-    fs.span = None
-    writer.fs = fs
-    return writer
+# storage: the checksumming wrapper around the O_DIRECT / buffered DCP writers lives in odirect.py
+from checkpoints_io.odirect import checksumming_writer as _checksumming_writer  # noqa: E402
 
 
 def _save_strategy(kind: str, digests_out: dict, saver=None, group=None, thread_count: int = 1, after_write=None,
@@ -148,22 +91,18 @@ def _save_strategy(kind: str, digests_out: dict, saver=None, group=None, thread_
             pyt = mcore_to_pyt_state_dict(sd, False)
             writer = _checksumming_writer(str(checkpoint_dir), kind, thread_count=thread_count,
                                           limit_bytes_per_s=limit_bytes_per_s)
+            if saver is not None and saver.pool is not None:
+                from checkpoints_io.write_procs import pooled
+
+                writer = pooled(writer, saver.pool, kind, limit_bytes_per_s)
 
             def write():
                 import time
 
                 t = time.perf_counter()
-                # torch.save's per-record CRC32 runs with the GIL held (the writer threads then take turns); the
-                # checkpoint has its own CRC32 of every file (computed as the bytes pass, without the GIL), and
-                # torch.load does not need the records' (H200: 8 threads 2.09 -> 2.22 GB/s)
-                prev = torch.serialization.get_crc32_options()
-                torch.serialization.set_crc32_options(False)
-                try:
-                    dcp.save(pyt, storage_writer=writer, process_group=group,
-                             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
-                                                      flatten_sharded_tensors=False))
-                finally:
-                    torch.serialization.set_crc32_options(prev)
+                dcp.save(pyt, storage_writer=writer, process_group=group,
+                         planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                                  flatten_sharded_tensors=False))
                 digests_out.update(writer.fs.digests)
                 if saver is not None:
                     saver.last["write_s"] = time.perf_counter() - t
@@ -563,11 +502,16 @@ class AsyncSaver:
     until the write is durable and raises its error, if any; a new save waits for the previous one first,
     and the trainer waits before it exits (end, ``--exit-interval``, SIGTERM)."""
 
-    def __init__(self):
+    def __init__(self, processes: int = 0):
         self.thread = None
         self.error = None
         self.group = None
         self.buffer = None
+        # processes > 0: the files are written by that many writer processes sharing the staging buffer
+        # (checkpoints_io/write_procs.py: no GIL shared with the training loop); 0: threads of this process
+        self.processes = processes
+        self.shared = None
+        self.pool = None
         self.pending = None  # (step, root) of the write in flight
         self.validated = None  # signature of the last sharding megatron validated
         self.last = {}       # timings of the last save: stage_s, write_s, bytes
@@ -585,12 +529,47 @@ class AsyncSaver:
         import threading
 
         def alloc():
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            try:
+                if self.shared is not None:
+                    self.shared.ensure(nbytes)
+                    self.buffer = self.shared.tensor
+                else:
+                    self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            except Exception:  # noqa: BLE001  (an estimate only: stage() allocates what it needs and reports)
+                pass
+
+        if self.processes:
+            try:
+                self._start_pool(self.processes, cuda)  # here, in the calling (main) thread: see write_procs
+            except OSError:
+                pass  # stage() tries again and falls back to threads with a warning
 
         self._reserving = threading.Thread(target=alloc, name="k3-checkpoint-buffer", daemon=True)
         self._reserving.start()
 
-    def stage(self, sd) -> int:
+    def _start_pool(self, n: int, cuda: bool) -> None:
+        from checkpoints_io.write_procs import SharedBuffer, WriterPool
+
+        if self.shared is None:
+            self.shared = SharedBuffer(0, pin=cuda)
+        if self.pool is not None and self.pool.n != n:
+            self.pool.close()
+            self.pool = None
+        if self.pool is None:
+            self.pool = WriterPool(n, self.shared)
+        self.pool.start()  # no-op while all are alive; replaces exited ones
+
+    def close(self) -> None:
+        """Stop the writer processes and free the staging buffer (after ``wait()``)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        self.buffer = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
+    def stage(self, sd, workers: int = 0) -> int:
         """Replace the data of every ShardedTensor this rank writes (main replicas) in ``sd`` by a copy in the
         host buffer; returns the bytes staged. Each copy is handed on as a tensor whose storage is exactly its
         bytes (``torch.frombuffer`` over the buffer), so DCP's writer takes it as it is, without a clone."""
@@ -602,7 +581,19 @@ class AsyncSaver:
         tens = [v for v in sd.values() if isinstance(v, ShardedTensor) and v.replica_id == 0]
         total = sum(-(-t.data.numel() * t.data.element_size() // 64) * 64 for t in tens)
         cuda = any(t.data.is_cuda for t in tens)
-        if self.buffer is None or self.buffer.numel() < total:
+        if self.processes:
+            try:
+                self._start_pool(workers or self.processes, cuda)
+                self.shared.ensure(total)
+                self.buffer = self.shared.tensor
+            except OSError as e:  # e.g. a file-size limit also refuses the shared memory file
+                import warnings
+
+                warnings.warn(f"checkpoint writer processes unavailable ({e}); writing with threads",
+                              RuntimeWarning, stacklevel=2)
+                self.close()
+                self.processes = 0
+        if not self.processes and (self.buffer is None or self.buffer.numel() < total):
             self.buffer = None
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
         mv = memoryview(self.buffer.numpy())
@@ -699,7 +690,7 @@ def _write(root, step, sd, cfg, meta_extra, *, writer="odirect", keep_last=0, rn
     t0 = time.perf_counter()
     if saver is not None:
         group = saver.process_group()
-        nbytes = saver.stage(sd)
+        nbytes = saver.stage(sd, workers=thread_count)
         ready = threading.Event()  # megatron writes metadata.json after the strategy returns: wait for it
         saver.last = {"stage_s": time.perf_counter() - t0, "bytes": nbytes}
         strategy = _save_strategy(writer, digests, saver=saver, group=group, thread_count=thread_count,

@@ -20,6 +20,7 @@ import io
 import mmap
 import os
 import warnings
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -198,3 +199,77 @@ def make_writer(path, kind: str = "odirect", limit_bytes_per_s: float = 0.0, **k
         _warn_once(str(path), f"O_DIRECT not supported under {path}; using the buffered writer")
         return FileSystemWriter(path, **kwargs)
     return ODirectFileSystemWriter(path, limit_bytes_per_s=limit_bytes_per_s, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------
+# checksumming wrapper around the O_DIRECT / buffered DCP writers: size and CRC32 of every file written
+class _CRCStream:
+    def __init__(self, inner, sink, name):
+        self.inner, self.sink, self.name = inner, sink, name
+        self.crc, self.n = 0, 0
+
+    def write(self, data):
+        mv = memoryview(data).cast("B")
+        self.crc = zlib.crc32(mv, self.crc)
+        self.n += len(mv)
+        return self.inner.write(data)
+
+    def __getattr__(self, k):
+        return getattr(self.inner, k)
+
+
+def _crc_filesystem(base_cls):
+    class CRCFileSystem(base_cls):
+        """Records size and CRC32 of every file written (computed from the bytes as they pass)."""
+
+        digests: dict
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            import time
+
+            import torch
+
+            t0 = time.perf_counter()
+            with super().create_stream(path, mode) as s:
+                if mode != "wb":
+                    yield s
+                    return
+                w = _CRCStream(s, None, os.path.basename(str(path)))
+                # torch.save's per-record CRC32 (a thread-local setting: this runs in each DCP writer thread)
+                # is computed with the GIL held; the checkpoint has its own CRC32 of every file, computed here
+                # as the bytes pass without the GIL, and torch.load does not need the records'
+                prev = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(self.record_crc)
+                try:
+                    yield w
+                finally:
+                    torch.serialization.set_crc32_options(prev)
+                self.digests[w.name] = {"bytes": w.n, "crc32": w.crc}
+            # the data files' phase of a save (first open to last close): the write time without DCP's planning
+            self.span = (min(self.span[0], t0), max(self.span[1], time.perf_counter())) if self.span else \
+                (t0, time.perf_counter())
+
+        def rename(self, path, new_path):  # DCP writes .metadata.tmp and renames it
+            super().rename(path, new_path)
+            old = os.path.basename(str(path))
+            if old in self.digests:
+                self.digests[os.path.basename(str(new_path))] = self.digests.pop(old)
+
+    return CRCFileSystem
+
+
+def checksumming_writer(path, kind: str, thread_count: int = 1, limit_bytes_per_s: float = 0.0,
+                        record_crc: bool = False):
+    """``make_writer`` whose file system records ``fs.digests[name] = {"bytes", "crc32"}`` of every file written
+    and ``fs.span`` (first data file opened, last closed; perf_counter seconds). ``record_crc``: torch.save's
+    per-record CRC32 inside the files (off: the file CRC32 covers them)."""
+    writer = make_writer(path, kind, thread_count=thread_count, limit_bytes_per_s=limit_bytes_per_s)
+    fs_cls = _crc_filesystem(type(writer.fs))
+    fs = fs_cls.__new__(fs_cls)
+    fs.__dict__.update(writer.fs.__dict__)
+    fs.digests = {}
+    fs.span = None
+    fs.record_crc = record_crc
+    writer.fs = fs
+    return writer

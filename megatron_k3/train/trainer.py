@@ -350,7 +350,7 @@ class Trainer:
         if job.checkpoint.save and job.checkpoint.async_save:  # page-lock the staging buffer now, off the loop
             from checkpoints_io.k3ckpt import AsyncSaver
 
-            self.saver = AsyncSaver()
+            self.saver = AsyncSaver(processes=self._write_processes())
             est = self.checkpoint_bytes_estimate()
             if est:
                 self.saver.reserve(est, cuda=self.device.type == "cuda")
@@ -586,6 +586,9 @@ class Trainer:
             self._close(destroy_process_group)
 
     def _close(self, destroy_process_group: bool) -> None:
+        if self.saver is not None:
+            self.saver.close()
+            self.saver = None
         if self.loader is not None:
             self.loader.close()
         if self.rank == 0 and self.log is not None:
@@ -656,7 +659,7 @@ class Trainer:
 
         c = self.job.checkpoint
         if c.async_save and self.saver is None:
-            self.saver = AsyncSaver()
+            self.saver = AsyncSaver(processes=self._write_processes())
         self.wait_for_save()  # one write at a time (raises the previous write's error)
         t = time.perf_counter()
         with self._save_errors(step):
@@ -673,6 +676,12 @@ class Trainer:
         else:
             self._print(f"[pretrain] saved step {step} to {path} in {stall:.2f} s")
         return path
+
+    def _write_processes(self) -> int:
+        """Writer processes of an asynchronous save (``--ckpt-write-workers``): 0 means threads."""
+        c = self.job.checkpoint
+        procs = c.ckpt_write_workers == "processes" or (c.ckpt_write_workers == "auto" and self.device.type == "cuda")
+        return c.ckpt_write_threads if procs else 0
 
     def wait_for_save(self) -> None:
         """Block until the background checkpoint write (if any) is durable; a failed write is a ``RunError``."""
