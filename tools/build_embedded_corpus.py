@@ -17,10 +17,17 @@ DROP = re.compile(r"^\s*\.\. (index|_[^:]*|sectionauthor|moduleauthor|highlight|
 
 
 def main():
-    src = Path(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sources", help="the _sources directory of the unpacked python3.11-doc package")
+    src = Path(ap.parse_args().sources)
+    if not all((src / sec).is_dir() for sec in SECTIONS):
+        ap.error(f"{src} is not the Python documentation's _sources directory (needs {', '.join(SECTIONS)}/)")
     out = Path(__file__).resolve().parent.parent / "data" / "corpus" / "python-docs-3.11.jsonl.gz"
+    tmp = out.with_name(out.name + ".tmp")  # the embedded corpus is replaced only by a complete new one
     n = 0
-    with gzip.open(out, "wt", encoding="utf-8") as f:
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
         for sec in SECTIONS:
             for p in sorted((src / sec).glob("*.rst.txt")):
                 lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if not DROP.match(ln)]
@@ -28,6 +35,10 @@ def main():
                 if len(text) > 200:
                     f.write(json.dumps({"text": text, "domain": sec, "source": f"python-3.11-docs/{sec}/{p.name}"}) + "\n")
                     n += 1
+    if n == 0:
+        tmp.unlink()
+        ap.error(f"no documents found under {src}; {out} is unchanged")
+    tmp.replace(out)
     print(f"wrote {n} documents to {out}")
 
 

@@ -189,3 +189,19 @@ def test_untested_megatron_core_is_one_error_line(root, tmp_path):
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root])))
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and lines == [lines[-1]] and lines[-1].startswith("error: megatron-core 0.20.0"), r.stderr
+
+
+# the Python commands under tools/ before the package layout of 2026-12-05 (#29): each still answers --help
+OLD_TOOLS = ("bench_checkpoint", "bench_fp8", "bench_host", "bench_memory", "bench_ops", "bench_scaling", "benchmark",
+             "build_embedded_corpus", "convert_from_hf", "convert_to_hf", "eval_hellaswag", "gpu_check", "model_info",
+             "plan_layout", "plot_run", "prepare_data", "probe_moe", "train_tokenizer", "verify_parallel")
+
+
+def test_old_tool_paths_still_work(root):
+    bad = []
+    for name in OLD_TOOLS:
+        r = subprocess.run([sys.executable, os.path.join(root, "tools", name + ".py"), "--help"], capture_output=True,
+                           text=True, timeout=300, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+        if r.returncode != 0 or "usage" not in r.stdout.lower():
+            bad.append((name, r.returncode, r.stderr[-500:]))
+    assert not bad, bad
