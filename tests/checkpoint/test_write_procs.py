@@ -28,20 +28,23 @@ def _dcp_metadata(d):
     return m.state_dict_metadata, m.storage_data
 
 
-def test_processes_write_the_files_the_threads_write(root, tmp_path):
-    """Two identical runs, one writing with threads, one with processes: every .distcp and metadata.json of
-    the step-3 checkpoint is byte-identical and DCP's metadata holds the same values; resuming from the
-    processes' checkpoint gives the uninterrupted run's losses exactly."""
-    args = ["--train-iters", 5, "--save-interval", 3, "--ckpt-write-threads", 3]
-    run(root, *args, "--save", tmp_path / "t", "--ckpt-write-workers", "threads", "--run-dir", tmp_path / "rt")
-    run(root, *args, "--save", tmp_path / "p", "--ckpt-write-workers", "processes", "--run-dir", tmp_path / "rp")
+@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["--use-distributed-optimizer"])], ids=["world1", "dp2-distopt"])
+def test_processes_write_the_files_the_threads_write(root, tmp_path, nproc, layout):
+    """Two identical runs, one writing with threads, one with processes (each rank its own writers): every
+    .distcp and metadata.json of the step-3 checkpoint is byte-identical and DCP's metadata holds the same
+    values; resuming from the processes' checkpoint gives the uninterrupted run's losses exactly."""
+    args = ["--train-iters", 5, "--save-interval", 3, "--ckpt-write-threads", 3, *layout]
+    run(root, *args, "--save", tmp_path / "t", "--ckpt-write-workers", "threads", "--run-dir", tmp_path / "rt",
+        nproc=nproc)
+    run(root, *args, "--save", tmp_path / "p", "--ckpt-write-workers", "processes", "--run-dir", tmp_path / "rp",
+        nproc=nproc)
     a, b = _files(tmp_path / "t" / "iter_0000003"), _files(tmp_path / "p" / "iter_0000003")
-    assert sorted(a) == sorted(b) and sum(f.endswith(".distcp") for f in a) == 3, (sorted(a), sorted(b))
+    assert sorted(a) == sorted(b) and sum(f.endswith(".distcp") for f in a) == 3 * nproc, (sorted(a), sorted(b))
     assert [f for f in a if a[f] != b[f]] == []
     ma, mb = _dcp_metadata(tmp_path / "t" / "iter_0000003"), _dcp_metadata(tmp_path / "p" / "iter_0000003")
     assert ma[0] == mb[0] and ma[1] == mb[1] and len(mb[1]) > 100
     copy_upto(tmp_path / "p", tmp_path / "b", 3)
-    r = run(root, "--train-iters", 5, "--load", tmp_path / "b", "--run-dir", tmp_path / "rb")
+    r = run(root, "--train-iters", 5, *layout, "--load", tmp_path / "b", "--run-dir", tmp_path / "rb", nproc=nproc)
     assert "at step 3" in r.stdout
     lp, lb = losses(tmp_path / "rp"), losses(tmp_path / "rb")
     assert sorted(lb) == [4, 5] and all(lp[s] == lb[s] for s in lb), (lp, lb)
