@@ -215,6 +215,24 @@ def use_kernel_cache(path: str) -> str:
     return path
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat starttime against /proc/uptime), so the
+    start-up figure includes the Python and library imports; None where /proc is missing."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def count_files(path: str | None) -> int:
+    """Files under ``path`` (0 if it does not exist): the kernel cache's size before the run."""
+    return sum(len(fs) for _, _, fs in os.walk(path)) if path and os.path.isdir(path) else 0
+
+
 def root_cause(e: BaseException) -> str:
     """The innermost OSError (or the last exception) behind ``e``, in one line: DCP wraps a writer's error in
     its own ``CheckpointException`` (per-rank failures) and megatron in more."""
@@ -307,6 +325,8 @@ class Trainer:
         if job.perf.kernel_cache_dir or "TRITON_CACHE_DIR" not in os.environ:  # the environment's own cache stays
             self.kernel_cache = use_kernel_cache(job.perf.kernel_cache_dir or os.path.join(job.logging.run_dir,
                                                                                              "kernel_cache"))
+        self.startup = {"setup_started_s": process_age_s(),
+                        "kernel_cache_files_before": count_files(os.environ.get("TRITON_CACHE_DIR"))}
         if data:
             self.prepare_data()
         self.device = init_distributed(layout, seed=job.train.seed)
@@ -360,6 +380,8 @@ class Trainer:
 
         self._fb = get_forward_backward_func()
         self._fstep = make_forward_step(job.model.mtp_loss_scaling_factor)
+        if hasattr(self, "startup"):
+            self.startup["setup_done_s"] = process_age_s()
         return self
 
     def checkpoint_bytes_estimate(self) -> int:
@@ -495,6 +517,8 @@ class Trainer:
         t0 = time.time()
         tokens_at_start = self.tokens_seen
         end = T if max_steps is None else min(T, self.start_step + max_steps)
+        first_step = self.start_step if not getattr(self, "_fit_ran", False) else -1
+        self._fit_ran = True
         last = time.perf_counter()
         for step in range(self.start_step, end):
             lr = self.lr_at(step)
@@ -524,6 +548,8 @@ class Trainer:
                        "step_time_s": step_s, "epoch": self.loader.epoch}
                 if res.mtp_loss is not None:
                     rec["mtp_loss"] = res.mtp_loss
+                if step == first_step:  # how long a job takes to reach its first step (imports, build, kernels)
+                    rec.update(self.startup_record(step_s))
                 if stats:
                     ents = [s["entropy"] for s in stats.values()]
                     rec["routing_entropy_min"] = min(ents)
@@ -606,6 +632,24 @@ class Trainer:
             if destroy_process_group and dist.is_initialized():
                 dist.destroy_process_group()
             self._built = False
+
+    def startup_record(self, first_step_s: float) -> dict:
+        """The start-up of this process up to the end of its first step, for the first metrics record and
+        one console line: ``startup_s`` (process start to the end of the first step, imports included),
+        ``setup_started_s`` (process start to ``setup``: imports), ``build_s`` (model chunks),
+        ``graph_capture_s``, ``first_step_s`` (the first step itself: kernel compilation and autotuning unless
+        the kernel cache has them) and the kernel cache's file count before the run."""
+        age = process_age_s()
+        st = dict(getattr(self, "startup", {}), build_s=self.build_s, graph_capture_s=self.graph_capture_s,
+                  first_step_s=first_step_s, startup_s=age)
+        st = {k: round(v, 2) if isinstance(v, float) else v for k, v in st.items()}
+        if age is not None:
+            graphs = "" if st["graph_capture_s"] is None else f", graphs {st['graph_capture_s']} s"
+            self._print(f"[pretrain] first step done {st['startup_s']} s after the process started (imports "
+                        f"{st.get('setup_started_s')} s, setup {st.get('setup_done_s')} s in all: model "
+                        f"{st['build_s']} s{graphs}; first step {st['first_step_s']} s; the kernel cache had "
+                        f"{st.get('kernel_cache_files_before')} files)")
+        return {f"startup/{k}": v for k, v in st.items()}
 
     def record(self) -> dict:
         """What is written with the run (wandb config, config.json): every setting, the model and layout."""

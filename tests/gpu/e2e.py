@@ -56,6 +56,14 @@ def run(cmd, log, timeout, rep, name, shown=None):
     return open(log).read()
 
 
+def startup(run_dir):
+    """The trainer's start-up figures (first metrics record's ``startup/*``: process start to the end of the
+    first step, imports, model build, graph capture, first step, kernel-cache files before)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        first = json.loads(f.readline())
+    return {k.split("/", 1)[1]: v for k, v in first.items() if k.startswith("startup/")}
+
+
 def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
 
@@ -91,12 +99,14 @@ def main():
                   os.path.join(work, "a.log"), a.timeout, rep, "train_straight")
         la = losses(os.path.join(work, "a"))
         rep["losses_straight"] = [la[s] for s in sorted(la)]
+        rep["steps"]["train_straight"]["startup"] = startup(os.path.join(work, "a"))
         rep["checks"]["straight_run_finite_losses"] = len(la) == c["steps"] and all(map(math.isfinite, la.values()))
         rep["save_lines"] = [line for line in out.splitlines() if "saved step" in line]
         save()
         run(base + ["--load", os.path.join(ck, f"iter_{c['save_at']:07d}"), "--run-dir", os.path.join(work, "b")],
             os.path.join(work, "b.log"), a.timeout, rep, "train_resumed")
         lb = losses(os.path.join(work, "b"))
+        rep["steps"]["train_resumed"]["startup"] = startup(os.path.join(work, "b"))
         steps = sorted(lb)
         rep["losses_resumed"] = {s: lb[s] for s in steps}
         diffs = {s: abs(lb[s] - la[s]) for s in steps}

@@ -38,6 +38,14 @@ def test_main_command_loss_falls(main_run):
                 "moe/1/entropy", "moe/7/dead"):
         assert key in recs[-1]
     assert "loss" in out and "[pretrain] done" in out
+    # start-up figures ride on the first record only: process start -> imports -> setup -> end of step 1
+    st = {k.split("/", 1)[1]: v for k, v in recs[0].items() if k.startswith("startup/")}
+    assert not any(k.startswith("startup/") for k in recs[1])
+    assert 0 < st["setup_started_s"] < st["setup_done_s"] < st["startup_s"], st
+    assert 0 < st["build_s"] < st["setup_done_s"] and 0 < st["first_step_s"] < st["startup_s"], st
+    assert st["graph_capture_s"] is None and "first step done" in out
+    if "TRITON_CACHE_DIR" not in os.environ:  # the default kernel cache lives in the run directory
+        assert (run_dir / "kernel_cache" / "triton").is_dir() and st["kernel_cache_files_before"] == 0
 
 
 def test_main_command_wandb_offline_run_reads_back(main_run):
