@@ -95,6 +95,83 @@ def _fused_adamw_available() -> bool:
         return False
 
 
+class HostAdamWUpdate:
+    """The host half of the stream: AdamW on ranges of flat host state (fp32 master, moments in
+    ``moments_dtype``), one gradient chunk at a time, with the updated weights cast into output views while
+    each ``cpu_block`` of elements is in cache. Element-wise, so the block size changes speed, never bits.
+    ``segments``: (lo, hi, group) ranges covering the state, ``group`` indexing the per-step (lr, wd) list.
+    ``HostStreamAdamW`` owns one; ``benchmarks/bench_offload_host.py`` times it alone on a host."""
+
+    def __init__(self, numel: int, segments, *, moments_dtype=torch.bfloat16, impl: str = "auto",
+                 beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, cpu_block_elems: int = DEFAULT_CPU_BLOCK,
+                 max_chunk: int | None = None):
+        if moments_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"moments_dtype must be torch.bfloat16 or torch.float32, not {moments_dtype}")
+        if impl == "auto":
+            impl = "fused" if _fused_adamw_available() else "torch"
+        if impl not in ("fused", "torch"):
+            raise ValueError(f"impl must be 'auto', 'fused' or 'torch', not {impl!r}")
+        self.numel, self.segments = int(numel), list(segments)
+        self.moments_dtype, self.impl = moments_dtype, impl
+        self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
+        self.master = torch.empty(self.numel, dtype=torch.float32)
+        self.exp_avg = torch.zeros(self.numel, dtype=moments_dtype)
+        self.exp_avg_sq = torch.zeros(self.numel, dtype=moments_dtype)
+        self.cpu_block = max(1024, int(cpu_block_elems))
+        nb = min(self.cpu_block, max_chunk or self.cpu_block)
+        self._ws = [torch.empty(nb, dtype=torch.float32) for _ in range(3)]  # m, v, denom working copies
+        self._step_t = torch.zeros((), dtype=torch.float32)
+
+    @property
+    def work_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._ws)
+
+    def update(self, g: torch.Tensor, h0: int, h1: int, step: int, clip: float, hyper, outs):
+        """AdamW step ``step`` on host range [h0, h1) with gradient chunk g (clipped by ``clip`` in place);
+        ``hyper``: (lr, weight_decay) per group; the new weights, in each output's dtype, into ``outs``
+        (``(..., chunk_off, view)`` tuples whose views cover [chunk_off, chunk_off + len) of the chunk)."""
+        if g.dtype != torch.float32:
+            g = g.float()
+        if clip != 1.0:
+            g.mul_(clip)
+        self._step_t.fill_(step)
+        step = float(step)
+        b1, b2, eps = self.beta1, self.beta2, self.eps
+        for lo, hi, gi in self.segments:
+            lo, hi = max(lo, h0), min(hi, h1)
+            if hi <= lo:
+                continue
+            lr, wd = hyper[gi]
+            for a in range(lo, hi, self.cpu_block):
+                z = min(hi, a + self.cpu_block)
+                n = z - a
+                p = self.master[a:z]
+                gg = g[a - h0:z - h0]
+                if self.moments_dtype == torch.float32:
+                    m, v = self.exp_avg[a:z], self.exp_avg_sq[a:z]
+                else:
+                    m = self._ws[0][:n].copy_(self.exp_avg[a:z])
+                    v = self._ws[1][:n].copy_(self.exp_avg_sq[a:z])
+                if self.impl == "fused":
+                    torch._fused_adamw_([p], [gg], [m], [v], [], [self._step_t], lr=lr, beta1=b1, beta2=b2,
+                                        weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+                else:  # torch.optim.AdamW's single-tensor path, operation for operation
+                    if wd != 0:
+                        p.mul_(1 - lr * wd)
+                    m.lerp_(gg, 1 - b1)
+                    v.mul_(b2).addcmul_(gg, gg, value=1 - b2)
+                    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+                    denom = torch.sqrt(v, out=self._ws[2][:n]).div_(bc2 ** 0.5).add_(eps)
+                    p.addcdiv_(m, denom, value=-(lr / bc1))
+                if self.moments_dtype != torch.float32:
+                    self.exp_avg[a:z].copy_(m)
+                    self.exp_avg_sq[a:z].copy_(v)
+                for *_, off, view in outs:   # cast while the block is in cache
+                    x, y = max(a - h0, off), min(z - h0, off + view.numel())
+                    if y > x:
+                        view[x - off:y - off].copy_(p[x - (a - h0):y - (a - h0)])
+
+
 class HostStreamAdamW:
     """See the module docstring. Built by ``build_host_stream_optimizer``."""
 
@@ -106,14 +183,12 @@ class HostStreamAdamW:
 
         if moments_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"moments_dtype must be torch.bfloat16 or torch.float32, not {moments_dtype}")
-        if impl == "auto":
-            impl = "fused" if _fused_adamw_available() else "torch"
-        if impl not in ("fused", "torch"):
+        if impl not in ("auto", "fused", "torch"):
             raise ValueError(f"impl must be 'auto', 'fused' or 'torch', not {impl!r}")
         self.chunks = list(ddp_chunks)
         self.distributed = bool(use_distributed_optimizer)
         self.clip_grad, self.beta1, self.beta2, self.eps = float(clip_grad), float(beta1), float(beta2), float(adam_eps)
-        self.moments_dtype, self.impl = moments_dtype, impl
+        self.moments_dtype = moments_dtype
         self.step_count = 0
         self.timings = {}
         self._params = [p for d in self.chunks for p in d.module.parameters() if p.requires_grad]
@@ -163,11 +238,12 @@ class HostStreamAdamW:
             reg.param_dtype = reg.buffer.param_dtype  # DDP keeps one buffer per (param, grad) dtype
 
         # host state: fp32 master + two moments, for the owned elements only (plus DDP's small padding)
-        self.master = torch.empty(self.numel, dtype=torch.float32)
-        self.exp_avg = torch.zeros(self.numel, dtype=moments_dtype)
-        self.exp_avg_sq = torch.zeros(self.numel, dtype=moments_dtype)
         self.chunk_elems = max(1024, int(chunk_bytes) // self.grad_dtype.itemsize)
-        self.cpu_block = max(1024, int(cpu_block_elems))
+        self.host = HostAdamWUpdate(self.numel, self._group_segments(), moments_dtype=moments_dtype, impl=impl,
+                                    beta1=self.beta1, beta2=self.beta2, eps=self.eps, cpu_block_elems=cpu_block_elems,
+                                    max_chunk=min(self.chunk_elems, max(self.numel, 1)))
+        self.impl = self.host.impl
+        self.master, self.exp_avg, self.exp_avg_sq = self.host.master, self.host.exp_avg, self.host.exp_avg_sq
         self.cuda = any(r.buffer.grad_data.is_cuda for r in self.regions)
         pin = self.cuda
         n = min(self.chunk_elems, max(self.numel, 1))
@@ -175,20 +251,16 @@ class HostStreamAdamW:
         # updated weights leave through byte buffers viewed per region as that region's parameter dtype
         # (a chunk may span a bf16 and an fp32 buffer): element k of a chunk at bytes [4k, 4k + itemsize)
         self._pbufs = [torch.empty(4 * n, dtype=torch.uint8, pin_memory=pin) for _ in range(num_buffers)]
-        nb = min(self.cpu_block, n)
-        self._ws = [torch.empty(nb, dtype=torch.float32) for _ in range(3)]  # m, v, denom working copies
-        self._step_t = torch.zeros((), dtype=torch.float32)
         if self.cuda:
             self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
         self._build_norm_lists(ps)
-        self._segments = self._group_segments()
         self._load_master_from_params()
 
     # ---------------------------------------------------------------------------------------------------
     @property
     def fixed_buffer_bytes(self) -> int:
         """Bytes of the reused chunk buffers and CPU working copies (independent of the model size)."""
-        return sum(t.numel() * t.element_size() for t in self._gbufs + self._pbufs + self._ws)
+        return sum(t.numel() * t.element_size() for t in self._gbufs + self._pbufs) + self.host.work_bytes
 
     @property
     def state_bytes(self) -> int:
@@ -336,7 +408,6 @@ class HostStreamAdamW:
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
         self.step_count += 1
-        self._step_t.fill_(self.step_count)
         hyper = [(float(g["lr"]), float(g["weight_decay"])) for g in self.param_groups]
         t1 = time.perf_counter()
         self._stream(clip, hyper)
@@ -387,47 +458,7 @@ class HostStreamAdamW:
         cur.wait_stream(self._h2d)
 
     def _update(self, g: torch.Tensor, h0: int, h1: int, clip: float, hyper, outs):
-        """AdamW on host range [h0, h1) with gradient chunk g; the new weights, in each region's parameter
-        dtype, into the chunk's output views ``outs``."""
-        if g.dtype != torch.float32:
-            g = g.float()
-        if clip != 1.0:
-            g.mul_(clip)
-        step = float(self.step_count)
-        b1, b2, eps = self.beta1, self.beta2, self.eps
-        for lo, hi, gi in self._segments:
-            lo, hi = max(lo, h0), min(hi, h1)
-            if hi <= lo:
-                continue
-            lr, wd = hyper[gi]
-            for a in range(lo, hi, self.cpu_block):
-                z = min(hi, a + self.cpu_block)
-                n = z - a
-                p = self.master[a:z]
-                gg = g[a - h0:z - h0]
-                if self.moments_dtype == torch.float32:
-                    m, v = self.exp_avg[a:z], self.exp_avg_sq[a:z]
-                else:
-                    m = self._ws[0][:n].copy_(self.exp_avg[a:z])
-                    v = self._ws[1][:n].copy_(self.exp_avg_sq[a:z])
-                if self.impl == "fused":
-                    torch._fused_adamw_([p], [gg], [m], [v], [], [self._step_t], lr=lr, beta1=b1, beta2=b2,
-                                        weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
-                else:  # torch.optim.AdamW's single-tensor path, operation for operation
-                    if wd != 0:
-                        p.mul_(1 - lr * wd)
-                    m.lerp_(gg, 1 - b1)
-                    v.mul_(b2).addcmul_(gg, gg, value=1 - b2)
-                    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-                    denom = torch.sqrt(v, out=self._ws[2][:n]).div_(bc2 ** 0.5).add_(eps)
-                    p.addcdiv_(m, denom, value=-(lr / bc1))
-                if self.moments_dtype != torch.float32:
-                    self.exp_avg[a:z].copy_(m)
-                    self.exp_avg_sq[a:z].copy_(v)
-                for _, blo, bhi, off, view in outs:   # cast while the block is in cache
-                    x, y = max(a - h0, off), min(z - h0, off + bhi - blo)
-                    if y > x:
-                        view[x - off:y - off].copy_(p[x - (a - h0):y - (a - h0)])
+        self.host.update(g, h0, h1, self.step_count, clip, hyper, outs)
 
     # ---------------------------------------------------------------------------------------------------
     def _names(self):
