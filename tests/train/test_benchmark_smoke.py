@@ -75,6 +75,22 @@ def test_bench_host_smoke(root, tmp_path):
     assert t["wall"] >= t["forward_backward"] + t["optimizer_step"] and rep["parameter_tensors"] > 100
 
 
+def test_bench_offload_host_smoke(root, tmp_path):
+    """benchmarks/bench_offload_host.py: the offload's host update alone at several block sizes; every block size
+    gives the same bits as the first (the update is element-wise), both impls, bf16 and fp32 moments."""
+    out = tmp_path / "o.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_offload_host.py"), "--params", "3e6",
+                        "--blocks", "1048576,4096", "--moments", "bf16,fp32", "--steps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.load(open(out))
+    assert {(x["impl"], x["moments"], x["cpu_block"]) for x in rep["runs"]} == {
+        (i, m, b) for i in ("fused", "torch") for m in ("bfloat16", "float32") for b in (1048576, 4096)}
+    assert [x["identical_to_first_block"] for x in rep["runs"] if x["cpu_block"] == 4096] == [True] * 4
+    assert all(x["G_params_per_s"] > 0 and len(x["seconds"]) == 2 for x in rep["runs"])
+    assert rep["bandwidth"]["copy_GB_per_s"] > 0 and rep["best"]["G_params_per_s"] > 0
+
+
 def test_preload_torch_cudnn_maps_torch_cudnn(root):
     """gpu_check's preload mode loads the pip cuDNN's parts (the package is installed with torch here too) into
     the process, libcudnn_graph first, so later loads by soname find them instead of a system cuDNN."""
