@@ -181,11 +181,7 @@ class HostStreamAdamW:
                  cpu_block_elems: int = DEFAULT_CPU_BLOCK, num_buffers: int = 2, impl: str = "auto"):
         from megatron.core import parallel_state as ps
 
-        if moments_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"moments_dtype must be torch.bfloat16 or torch.float32, not {moments_dtype}")
-        if impl not in ("auto", "fused", "torch"):
-            raise ValueError(f"impl must be 'auto', 'fused' or 'torch', not {impl!r}")
-        self.chunks = list(ddp_chunks)
+        self.chunks = list(ddp_chunks)  # moments_dtype and impl are checked by HostAdamWUpdate
         self.distributed = bool(use_distributed_optimizer)
         self.clip_grad, self.beta1, self.beta2, self.eps = float(clip_grad), float(beta1), float(beta2), float(adam_eps)
         self.moments_dtype = moments_dtype
