@@ -4,6 +4,7 @@ threads: the background writer's too) is recorded with its element count while t
 state and loads it back; the largest must stay far below this rank's optimizer shard. Prints one RESULT line.
 Flags: the trainer's (layout)."""
 import json
+import os
 import sys
 import tempfile
 
@@ -63,9 +64,11 @@ with tempfile.TemporaryDirectory() as d:
     after = [p.detach() for c in t.chunks for p in c.parameters()]
     same = all(torch.equal(a, b) for a, b in zip(before, after))
     dist.barrier()
-print("RESULT " + json.dumps({"rank": dist.get_rank(), "shard_elems": shard, "optimizer_state_elems": 3 * shard,
+result = ("RESULT " + json.dumps({"rank": dist.get_rank(), "shard_elems": shard, "optimizer_state_elems": 3 * shard,
                               "max_numbers_save": max((n for _, n, _ in saved), default=0),
                               "max_numbers_load": max((n for _, n, _ in loaded), default=0),
                               "object_bytes_save": sum(b for _, _, b in saved),
-                              "n_save": len(saved), "n_load": len(loaded), "weights_unchanged": same}), flush=True)
+                              "n_save": len(saved), "n_load": len(loaded), "weights_unchanged": same}) + "\n")
+sys.stdout.flush()  # the ranks share one pipe: the line goes out in one write (< PIPE_BUF, so never interleaved)
+os.write(1, result.encode())
 t.close()
