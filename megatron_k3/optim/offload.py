@@ -421,7 +421,7 @@ class HostStreamAdamW:
                 for reg, blo, bhi, off in self._transfers(h0, h1):
                     g[off:off + bhi - blo].copy_(reg.buffer.grad_data[blo:bhi])
                 outs = self._out_views(0, h0, h1)
-                self._update(g, h0, h1, clip, hyper, outs)
+                self.host.update(g, h0, h1, self.step_count, clip, hyper, outs)
                 self._write_params(outs)
             return
         cur = torch.cuda.current_stream()
@@ -447,14 +447,11 @@ class HostStreamAdamW:
             if h2d_ev[s] is not None:
                 h2d_ev[s].synchronize()   # the pinned output slot is free again
             outs = self._out_views(s, h0, h1)
-            self._update(self._gbufs[s][:h1 - h0], h0, h1, clip, hyper, outs)
+            self.host.update(self._gbufs[s][:h1 - h0], h0, h1, self.step_count, clip, hyper, outs)
             with torch.cuda.stream(self._h2d):
                 self._write_params(outs)
                 h2d_ev[s] = self._h2d.record_event()
         cur.wait_stream(self._h2d)
-
-    def _update(self, g: torch.Tensor, h0: int, h1: int, clip: float, hyper, outs):
-        self.host.update(g, h0, h1, self.step_count, clip, hyper, outs)
 
     # ---------------------------------------------------------------------------------------------------
     def _names(self):

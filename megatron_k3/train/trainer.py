@@ -380,8 +380,7 @@ class Trainer:
 
         self._fb = get_forward_backward_func()
         self._fstep = make_forward_step(job.model.mtp_loss_scaling_factor)
-        if hasattr(self, "startup"):
-            self.startup["setup_done_s"] = process_age_s()
+        self.startup["setup_done_s"] = process_age_s()
         return self
 
     def checkpoint_bytes_estimate(self) -> int:
@@ -640,7 +639,7 @@ class Trainer:
         ``graph_capture_s``, ``first_step_s`` (the first step itself: kernel compilation and autotuning unless
         the kernel cache has them) and the kernel cache's file count before the run."""
         age = process_age_s()
-        st = dict(getattr(self, "startup", {}), build_s=self.build_s, graph_capture_s=self.graph_capture_s,
+        st = dict(self.startup, build_s=self.build_s, graph_capture_s=self.graph_capture_s,
                   first_step_s=first_step_s, startup_s=age)
         st = {k: round(v, 2) if isinstance(v, float) else v for k, v in st.items()}
         if age is not None:
