@@ -12,7 +12,9 @@ goes on: the loop's stall (what ``save`` blocks for), the background write's tim
 the whole ``dcp.save`` with its planning; ``files_s``: first data file opened to last one closed), the steps'
 times during the write, and the extra device memory of the save (peak allocated minus before); (2) the same
 save again (the host buffer reused; ``--save-threads 8p,8p,8t,8t``: one save per entry with that many
-writers, processes or threads, ``--ckpt-write-workers``); (3) a synchronous save through PyTorch DCP's stock ``FileSystemWriter``
+writers, processes or threads, ``--ckpt-write-workers``; the trainer is set up with the first entry's writers,
+so its setup page-locks the staging buffer in the background as a run with those flags does, and a switch to
+the other kind reserves the new saver's buffer before its save, untimed); (3) a synchronous save through PyTorch DCP's stock ``FileSystemWriter``
 (one thread, buffered), the same-run baseline; plus the disk's own O_DIRECT write bandwidth (``raw_disk``:
 aligned 64 MiB writes of 4 GiB, fsync) for reference.
 
@@ -107,6 +109,14 @@ def trainer_bench(base: str, flags: list[str], steps_during: int = 6, threads: l
 
     job = parse(flags + ["--wandb-mode", "disabled", "--lr-warmup-fraction", "0"])
     job.checkpoint.save = os.path.join(base, "trainer_ckpt")
+    specs = threads or [str(job.checkpoint.ckpt_write_threads)] * 2
+
+    def writers(spec):  # "8p" -> (8, "processes"); "8" -> (8, the configured kind)
+        return int(spec.rstrip("pt")), {"p": "processes", "t": "threads"}.get(spec[-1], job.checkpoint.ckpt_write_workers)
+
+    # the trainer is set up with the first entry's writers, so its setup reserves the staging buffer exactly as
+    # a run with those flags does (``Trainer.setup``: page-locked in the background, off the loop)
+    job.checkpoint.ckpt_write_threads, job.checkpoint.ckpt_write_workers = writers(specs[0])
     shutil.rmtree(job.checkpoint.save, ignore_errors=True)
     t = Trainer(job).setup()
     cuda = t.device.type == "cuda"
@@ -127,17 +137,21 @@ def trainer_bench(base: str, flags: list[str], steps_during: int = 6, threads: l
 
     warm = train(4)
     out = {"flags": flags, "warm_step_times_s": warm, "async": []}
-    # the first save allocates the host staging buffer; later ones reuse it. One round per entry of ``threads``
-    # (writer threads of that save; default: the configured count, twice)
-    for spec in threads or [str(job.checkpoint.ckpt_write_threads)] * 2:
-        th, mode = int(spec.rstrip("pt")), {"p": "processes", "t": "threads"}.get(spec[-1], job.checkpoint.ckpt_write_workers)
+    # one round per entry of ``threads`` (writers of that save; default: the configured count, twice). Every save
+    # finds its staging buffer reserved, as in a run configured with those writers: setup reserved it for the
+    # first entry; a switch to the other kind builds a new saver and reserves its buffer here, untimed
+    for spec in specs:
+        th, mode = writers(spec)
         job.checkpoint.ckpt_write_threads = th
-        if mode != job.checkpoint.ckpt_write_workers:  # another kind of writer: a new saver (its first save allocates)
+        if mode != job.checkpoint.ckpt_write_workers:  # another kind of writer: a new saver, reserved as setup does
             from checkpoints_io.k3ckpt import AsyncSaver
 
             job.checkpoint.ckpt_write_workers = mode
             t.saver.close()
             t.saver = AsyncSaver(processes=t._write_processes())
+            t.saver.reserve(t.checkpoint_bytes_estimate(), cuda=cuda)
+        if t.saver is not None:
+            t.saver.wait_reserved()  # the loop's steps before a real first save give it this time
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() if cuda else 0
@@ -213,8 +227,7 @@ def main():
                "raw_disk_odirect": raw_odirect_bandwidth(base, args.raw_gib)}
         threads = args.save_threads.split(",") if args.save_threads else None
         rep["trainer_save"] = trainer_bench(base, flags, threads=threads, stock=not args.no_stock_baseline)
-        rounds = rep["trainer_save"]["async"][1:] or rep["trainer_save"]["async"]  # the first allocates staging
-        a = max(rounds, key=lambda x: x["GB_per_s"])
+        a = max(rep["trainer_save"]["async"], key=lambda x: x["GB_per_s"])  # every save's buffer was reserved
         rep["summary_by_workers"] = {
             w: {"write_GB_per_s": [x["GB_per_s"] for x in rep["trainer_save"]["async"] if x["workers"] == w],
                 "files_GB_per_s": [x["files_GB_per_s"] for x in rep["trainer_save"]["async"] if x["workers"] == w],
@@ -223,7 +236,8 @@ def main():
                                               if x["workers"] == w]}
             for w in sorted({x["workers"] for x in rep["trainer_save"]["async"]})}
         rep["summary"] = {"stall_s": [x["stall_s"] for x in rep["trainer_save"]["async"]],
-                          "write_GB_per_s": a["GB_per_s"], "write_threads": a["threads"],
+                          "stall_max_s": max(x["stall_s"] for x in rep["trainer_save"]["async"]),
+                          "write_GB_per_s": a["GB_per_s"], "write_threads": a["threads"], "write_workers": a["workers"],
                           "write_vs_raw_disk": a["GB_per_s"] / rep["raw_disk_odirect"]["GB_per_s"],
                           "stock_dcp_sync_s": (rep["trainer_save"].get("stock_dcp_sync") or {}).get("stall_s")}
         txt = json.dumps(rep, indent=1)

@@ -514,6 +514,7 @@ class AsyncSaver:
         self.pool = None
         self.pending = None  # (step, root) of the write in flight
         self.validated = None  # signature of the last sharding megatron validated
+        self._reserving = None  # the thread of reserve(), joined by the first stage()
         self.last = {}       # timings of the last save: stage_s, write_s, bytes
 
     def process_group(self):
@@ -547,6 +548,12 @@ class AsyncSaver:
         self._reserving = threading.Thread(target=alloc, name="k3-checkpoint-buffer", daemon=True)
         self._reserving.start()
 
+    def wait_reserved(self) -> None:
+        """Block until ``reserve()``'s allocation is done (``stage()`` waits for it too)."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+
     def _start_pool(self, n: int, cuda: bool) -> None:
         from checkpoints_io.write_procs import SharedBuffer, WriterPool
 
@@ -575,9 +582,7 @@ class AsyncSaver:
         bytes (``torch.frombuffer`` over the buffer), so DCP's writer takes it as it is, without a clone."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        if getattr(self, "_reserving", None) is not None:
-            self._reserving.join()
-            self._reserving = None
+        self.wait_reserved()
         tens = [v for v in sd.values() if isinstance(v, ShardedTensor) and v.replica_id == 0]
         total = sum(-(-t.data.numel() * t.data.element_size() // 64) * 64 for t in tens)
         cuda = any(t.data.is_cuda for t in tens)

@@ -75,6 +75,26 @@ def test_bench_host_smoke(root, tmp_path):
     assert t["wall"] >= t["forward_backward"] + t["optimizer_step"] and rep["parameter_tensors"] > 100
 
 
+def test_bench_checkpoint_trainer_smoke(root, tmp_path):
+    """``bench_checkpoint.py --trainer`` with writer processes then threads (k3-tiny): every save finds its staging
+    buffer reserved (setup for the first entry, the switch for the second), writes a complete checkpoint through
+    the kind of writer asked for, and the report carries the disk's own bandwidth beside it."""
+    out = tmp_path / "c.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_checkpoint.py"), "--trainer", "--dir",
+                        str(tmp_path / "d"), "--save-threads", "2p,2t", "--no-stock-baseline", "--raw-gib", "0.25",
+                        "--json", str(out), "--", "--preset", "k3-tiny", "--micro-batch-size", "2",
+                        "--global-batch-size", "4", "--seq-length", "128"], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29693"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(out))
+    saves = rep["trainer_save"]["async"]
+    assert [s["workers"] for s in saves] == ["processes", "threads"] and [s["threads"] for s in saves] == [2, 2]
+    for s in saves:
+        assert s["bytes"] > 0 and s["staged_bytes"] > 0 and s["stall_s"] > 0 and s["GB_per_s"] > 0
+    assert rep["raw_disk_odirect"]["GB_per_s"] > 0
+    assert rep["summary"]["write_vs_raw_disk"] == max(s["GB_per_s"] for s in saves) / rep["raw_disk_odirect"]["GB_per_s"]
+
+
 def test_bench_offload_host_smoke(root, tmp_path):
     """benchmarks/bench_offload_host.py: the offload's host update alone at several block sizes; every block size
     gives the same bits as the first (the update is element-wise), both impls, bf16 and fp32 moments."""
