@@ -125,11 +125,11 @@ class CheckpointSection:
                                "goes on (latest moves only once every rank's files are durable)")
     ckpt_write_threads: int = F(8, "writer threads (and files) per rank and checkpoint (H200 host: 8 threads "
                                    "reach 2.2 GB/s, 78% of the disk's O_DIRECT bandwidth; benchmarks/README.md)")
-    ckpt_write_workers: str = F("threads", "where an asynchronous save's files are written: threads (of the "
-                                           "trainer's process), processes (--ckpt-write-threads writer processes "
-                                           "sharing the staging buffer: no GIL shared with the training loop; "
-                                           "checkpoints_io/write_procs.py; not yet measured on a GPU), auto: "
-                                           "processes on CUDA, threads on CPU",
+    ckpt_write_workers: str = F("auto", "where an asynchronous save's files are written: threads (of the "
+                                        "trainer's process), processes (--ckpt-write-threads writer processes "
+                                        "sharing the staging buffer: no GIL shared with the training loop; "
+                                        "checkpoints_io/write_procs.py; H200: 1.54 GB/s against the threads' 1.03, "
+                                        "benchmarks/README.md), auto: processes on CUDA, threads on CPU",
                                 choices=("threads", "processes", "auto"))
     ckpt_write_limit_mbps: float = F(0.0, "cap each writer thread's write rate, MB/s (0: no cap), to leave a shared "
                                           "file system's bandwidth to the data loader")
