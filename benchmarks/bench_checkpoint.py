@@ -144,12 +144,9 @@ def trainer_bench(base: str, flags: list[str], steps_during: int = 6, threads: l
         th, mode = writers(spec)
         job.checkpoint.ckpt_write_threads = th
         if mode != job.checkpoint.ckpt_write_workers:  # another kind of writer: a new saver, reserved as setup does
-            from checkpoints_io.k3ckpt import AsyncSaver
-
             job.checkpoint.ckpt_write_workers = mode
             t.saver.close()
-            t.saver = AsyncSaver(processes=t._write_processes())
-            t.saver.reserve(t.checkpoint_bytes_estimate(), cuda=cuda)
+            t.saver = t.new_saver()
         if t.saver is not None:
             t.saver.wait_reserved()  # the loop's steps before a real first save give it this time
         if cuda:

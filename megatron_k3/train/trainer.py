@@ -368,12 +368,7 @@ class Trainer:
             self.graph_capture_s = time.time() - t1
             self._print(f"[pretrain] captured CUDA graphs of {n} decoder layers in {self.graph_capture_s:.1f} s")
         if job.checkpoint.save and job.checkpoint.async_save:  # page-lock the staging buffer now, off the loop
-            from checkpoints_io.k3ckpt import AsyncSaver
-
-            self.saver = AsyncSaver(processes=self._write_processes())
-            est = self.checkpoint_bytes_estimate()
-            if est:
-                self.saver.reserve(est, cuda=self.device.type == "cuda")
+            self.saver = self.new_saver()
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from ..parallel.runtime import make_forward_step
@@ -719,6 +714,16 @@ class Trainer:
         else:
             self._print(f"[pretrain] saved step {step} to {path} in {stall:.2f} s")
         return path
+
+    def new_saver(self):
+        """An ``AsyncSaver`` with the configured writers, its staging buffer reserved in the background."""
+        from checkpoints_io.k3ckpt import AsyncSaver
+
+        saver = AsyncSaver(processes=self._write_processes())
+        est = self.checkpoint_bytes_estimate()
+        if est:
+            saver.reserve(est, cuda=self.device.type == "cuda")
+        return saver
 
     def _write_processes(self) -> int:
         """Writer processes of an asynchronous save (``--ckpt-write-workers``): 0 means threads."""
