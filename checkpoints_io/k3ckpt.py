@@ -104,10 +104,11 @@ def _save_strategy(kind: str, digests_out: dict, saver=None, group=None, thread_
                          planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
                                                   flatten_sharded_tensors=False))
                 digests_out.update(writer.fs.digests)
-                if saver is not None:
-                    saver.last["write_s"] = time.perf_counter() - t
+                if saver is not None:  # the save's phases: planning, the data files, metadata and the rest
+                    end = time.perf_counter()
                     span = writer.fs.span
-                    saver.last["files_s"] = (span[1] - span[0]) if span else None
+                    saver.last.update(write_s=end - t, files_s=(span[1] - span[0]) if span else None,
+                                      plan_s=(span[0] - t) if span else None, finish_s=(end - span[1]) if span else None)
                 if after_write is not None:
                     after_write()
 

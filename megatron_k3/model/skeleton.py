@@ -43,20 +43,31 @@ class GoldenSkeleton:
         mod_name, _, leaf = hf_name.rpartition(".")
         return getattr(model.get_submodule(mod_name), leaf)
 
+    def module_of(self, hf_name: str) -> tuple[str, nn.Module]:
+        """(module name, the meta module) that generates ``hf_name``; an error if it cannot initialise itself."""
+        mod_name = hf_name.rpartition(".")[0]
+        module = self.model_for(hf_name).get_submodule(mod_name)
+        if not hasattr(module, "reset_parameters"):
+            raise RuntimeError(f"{mod_name} ({type(module).__name__}) has no reset_parameters: '{hf_name}' would "
+                               "stay uninitialised")
+        return mod_name, module
+
     def initial_value(self, hf_name: str, seed: int) -> torch.Tensor:
         """The full initial tensor of ``hf_name`` (fp32, or the parameter's own dtype), on the CPU."""
         mod_name, _, leaf = hf_name.rpartition(".")
         if self._last is not None and self._last[0] == mod_name and self._last[1] == seed:
             return self._last[2][leaf]
-        module = self.model_for(hf_name).get_submodule(mod_name)
-        if not hasattr(module, "reset_parameters"):
-            raise RuntimeError(f"{mod_name} ({type(module).__name__}) has no reset_parameters: '{hf_name}' would "
-                               "stay uninitialised")
-        m = materialised_copy(module)
-        init_module_(m, mod_name, seed)
-        values = {k: v.detach() for k, v in list(m._parameters.items()) + list(m._buffers.items()) if v is not None}
+        values = initial_values(*self.module_of(hf_name), seed)
         self._last = (mod_name, seed, values)
         return values[leaf]
+
+
+def initial_values(mod_name: str, module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """The initial values of the (meta) ``module``'s own parameters and buffers, by leaf name, on the CPU. It
+    touches only a private copy of the module, so threads may call it for different modules at once."""
+    m = materialised_copy(module)
+    init_module_(m, mod_name, seed)
+    return {k: v.detach() for k, v in list(m._parameters.items()) + list(m._buffers.items()) if v is not None}
 
 
 class _LazyShapes:

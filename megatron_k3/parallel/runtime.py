@@ -63,13 +63,13 @@ def stage_ranges(cfg, layout: ParallelLayout) -> list[tuple[int, int, bool, bool
 
 
 def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, device=None, recompute: str = "none",
-                       init_seed: int | None = 0, **tconfig_overrides):
+                       init_seed: int | None = 0, init_workers: int | None = None, **tconfig_overrides):
     """This rank's model chunks (one per virtual stage), built without the rest of the model
     (``rank_init.py``): parameters on the meta device, then allocated on ``device`` and, with ``init_seed``,
     given the golden initialisation of that seed (``None``: left uninitialised, for a caller that loads
     weights). ``device="meta"`` leaves them on the meta device (``simulate``). ``recompute``: "none",
     "selective" (the token mixers' cores and FFN activations are recomputed in backward) or "full" (whole
-    layers)."""
+    layers). ``init_workers``: threads generating the initial values (``rank_init.init_chunks_``)."""
     from megatron.core import parallel_state as ps
 
     from .comm import ParallelCtx
@@ -85,7 +85,7 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
     device = torch.device(device or "cpu")
     materialize_(chunks, device, params_dtype)  # on "meta": only the dtypes change (simulate)
     if init_seed is not None and device.type != "meta":
-        init_chunks_(chunks, cfg, init_seed, ps.get_tensor_model_parallel_rank())
+        init_chunks_(chunks, cfg, init_seed, ps.get_tensor_model_parallel_rank(), workers=init_workers)
     if tconfig.fp8:  # FP8: the eligible projections run through Transformer Engine (megatron_k3/parallel/precision.py)
         from .precision import use_te_linears
 

@@ -327,9 +327,12 @@ class Trainer:
                                                                                              "kernel_cache"))
         self.startup = {"setup_started_s": process_age_s(),
                         "kernel_cache_files_before": count_files(os.environ.get("TRITON_CACHE_DIR"))}
+        t_data = time.time()
         if data:
             self.prepare_data()
+        t_dist = time.time()
         self.device = init_distributed(layout, seed=job.train.seed)
+        self.startup.update(data_s=t_dist - t_data, distributed_init_s=time.time() - t_dist)
         self._built = True
         use_graph_stream(job.perf.cuda_graph_impl)  # before the model and DDP (graphs.py, "Streams")
         dtype = torch.bfloat16 if job.perf.bf16 else torch.float32
@@ -342,8 +345,10 @@ class Trainer:
         self.build_s = time.time() - t0
         for _, r in moe_routers(self.chunks):
             r.k3_balancing = balancing
+        t_opt = time.time()
         self.ddp = wrap_ddp(self.chunks, self.tconfig, job.parallel.use_distributed_optimizer)
         self.opt = self._build_optimizer(dtype)
+        self.startup["ddp_optimizer_s"] = time.time() - t_opt
         if data:
             from megatron.core import parallel_state as ps
 
@@ -632,7 +637,9 @@ class Trainer:
         one console line: ``startup_s`` (process start to the end of the first step, imports included),
         ``setup_started_s`` (process start to ``setup``: imports), ``build_s`` (model chunks),
         ``graph_capture_s``, ``first_step_s`` (the first step itself: kernel compilation and autotuning unless
-        the kernel cache has them) and the kernel cache's file count before the run."""
+        the kernel cache has them), the kernel cache's file count before the run, and the smaller parts of the
+        setup: ``data_s`` (token store and tokenizer checks), ``distributed_init_s`` (process group, parallel
+        state, the device's context) and ``ddp_optimizer_s`` (gradient buffers and the optimizer)."""
         age = process_age_s()
         st = dict(self.startup, build_s=self.build_s, graph_capture_s=self.graph_capture_s,
                   first_step_s=first_step_s, startup_s=age)

@@ -91,8 +91,12 @@ def test_bench_checkpoint_trainer_smoke(root, tmp_path):
     assert [s["workers"] for s in saves] == ["processes", "threads"] and [s["threads"] for s in saves] == [2, 2]
     for s in saves:
         assert s["bytes"] > 0 and s["staged_bytes"] > 0 and s["stall_s"] > 0 and s["GB_per_s"] > 0
+        # the background write's phases add up to it: planning, the data files, metadata and the rest
+        assert min(s["plan_s"], s["files_s"], s["finish_s"]) >= 0
+        assert abs(s["plan_s"] + s["files_s"] + s["finish_s"] - s["write_s"]) < 1e-6
     assert rep["raw_disk_odirect"]["GB_per_s"] > 0
     assert rep["summary"]["write_vs_raw_disk"] == max(s["GB_per_s"] for s in saves) / rep["raw_disk_odirect"]["GB_per_s"]
+    assert rep["summary"]["write_GB_per_s_min"] == min(s["GB_per_s"] for s in saves)
 
 
 def test_bench_offload_host_smoke(root, tmp_path):
@@ -198,3 +202,25 @@ def test_device_ranges_are_not_kernels(bench_module):
     for e, name in ((ev(cuda), "k3.forward_backward"), (ev(cuda), "Optimizer.step#AdamW.step"),
                     (ev(cuda, True), "my_range"), (ev(cpu), "aten::mm")):
         assert not is_device_kernel(e, name), name
+
+
+def test_bench_startup_smoke(root, tmp_path):
+    """benchmarks/bench_startup.py: two k3-tiny jobs sharing one kernel cache; each report holds the trainer's own
+    start-up record (process start to the end of step 1, with its parts) and the cache's file counts."""
+    out = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_startup.py"), "--json", str(out),
+                        "--jobs", "2", "--work", str(tmp_path / "w"), "--note", "cpu smoke", "--", "--preset", "k3-tiny",
+                        "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "128"],
+                       capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in dict(os.environ, PYTHONPATH=root, MASTER_PORT="29696").items()
+                            if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rep = json.load(open(out))
+    assert [j["job"] for j in rep["jobs"]] == [1, 2] and rep["note"] == "cpu smoke"
+    assert "--kernel-cache-dir" in rep["trainer_flags"]  # the two jobs share one cache (the bench's work dir)
+    for j in rep["jobs"]:
+        st = j["startup"]
+        assert 0 < st["setup_started_s"] < st["setup_done_s"] <= st["startup_s"] <= j["process_wall_s"], j
+        assert st["build_s"] > 0 and st["first_step_s"] > 0 and st["data_s"] >= 0 and st["distributed_init_s"] > 0
+        assert set(j["cache_files_added"]) == {"triton", "inductor"}
+    assert rep["summary"]["startup_s"] == [j["startup"]["startup_s"] for j in rep["jobs"]]
