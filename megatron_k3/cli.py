@@ -4,7 +4,9 @@
   ``PermissionError``: the input is wrong (a flag, a file, a layout): ``error: ...``, exit code 2;
 - ``RunError``: the run failed for a reason outside the input (disk full during a save, a read error on the
   token store): ``error: ...``, exit code 1; the message says what was kept (e.g. which checkpoint ``latest``
-  still names).
+  still names);
+- out of memory (``torch.OutOfMemoryError`` on a device, the CPU allocator's error on the host): ``error: ...``
+  with torch's own first line and what needs less memory, exit code 1.
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ def friendly_errors(main):
         except USAGE_ERRORS as e:
             print(_line(e), file=sys.stderr)
             sys.exit(2)
+        except Exception as e:
+            # torch.OutOfMemoryError (a device), or the CPU allocator's RuntimeError; torch is not imported here
+            if type(e).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(e):
+                raise
+            first = (str(e).strip().splitlines() or ["out of memory"])[0]
+            print(f"error: out of memory ({first}); a smaller --micro-batch-size, "
+                  "--recompute-granularity selective (or full), or no --cuda-graph-impl local (layer graphs keep "
+                  "memory pools of their own) needs less; checkpoints already written are kept", file=sys.stderr)
+            sys.exit(1)
 
     return wrapper
 

@@ -303,3 +303,28 @@ def test_console_entry_and_slurm_script_check(root, tmp_path):
     r = subprocess.run(["bash", "slurm/pretrain_k3.sh"], capture_output=True, text=True, timeout=60, cwd=root,
                        env=dict(env, K3_PROFILE="nosuch"))
     assert "K3_PROFILE=nosuch" in _one_error_line(r, 2)
+
+
+def test_out_of_memory_is_one_line(capsys):
+    """A real allocation failure (the CPU allocator's; a device's is ``torch.OutOfMemoryError``) inside a command
+    becomes one ``error:`` line naming what needs less memory, exit code 1, no traceback."""
+    import torch
+
+    from megatron_k3.cli import friendly_errors
+
+    @friendly_errors
+    def main():
+        torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB
+
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: out of memory (") and "--micro-batch-size" in err and "Traceback" not in err
+
+    @friendly_errors
+    def other():
+        raise RuntimeError("not a memory error")
+
+    with pytest.raises(RuntimeError):  # anything else keeps its traceback (a bug to report, not a bad input)
+        other()
