@@ -306,6 +306,10 @@ def _worker_main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     torch.set_num_threads(1)
+    # import what a job needs now, while the trainer sets up, not inside its first save (DCP's modules: seconds)
+    from torch.distributed.checkpoint import filesystem  # noqa: F401
+
+    from checkpoints_io.odirect import checksumming_writer  # noqa: F401
     sock = socket.socket(fileno=sock_fd)
     mm, mm_size = None, 0
     while True:
