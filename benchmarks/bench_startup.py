@@ -27,10 +27,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def count_files(path):
-    return sum(len(fs) for _, _, fs in os.walk(path)) if path and os.path.isdir(path) else 0
-
-
 def cache_dirs(kernel_cache_dir) -> dict:
     """The Triton and Inductor cache directories the jobs use (the trainer's rule, ``train/trainer.py``)."""
     if kernel_cache_dir:
@@ -48,6 +44,7 @@ def main():
     ap.add_argument("--note", default="", help="what the machine and the cache were (recorded as is)")
     ap.add_argument("trainer_flags", nargs=argparse.REMAINDER, help="-- then the trainer's flags")
     a = ap.parse_args()
+    from megatron_k3.train.trainer import count_files  # the trainer's own count (its start-up record has one)
     flags = a.trainer_flags[1:] if a.trainer_flags[:1] == ["--"] else a.trainer_flags
     if a.jobs < 1:
         ap.error("--jobs must be at least 1")
