@@ -27,13 +27,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cache_dirs(kernel_cache_dir) -> dict:
-    """The Triton and Inductor cache directories the jobs use (the trainer's rule, ``train/trainer.py``)."""
-    if kernel_cache_dir:
-        return {"triton": os.path.join(kernel_cache_dir, "triton"), "inductor": os.path.join(kernel_cache_dir, "inductor")}
-    return {"triton": os.environ["TRITON_CACHE_DIR"], "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write the report")
@@ -44,7 +37,7 @@ def main():
     ap.add_argument("--note", default="", help="what the machine and the cache were (recorded as is)")
     ap.add_argument("trainer_flags", nargs=argparse.REMAINDER, help="-- then the trainer's flags")
     a = ap.parse_args()
-    from megatron_k3.train.trainer import count_files  # the trainer's own count (its start-up record has one)
+    from megatron_k3.train.trainer import count_files, kernel_cache_dirs  # the trainer's own rules
     flags = a.trainer_flags[1:] if a.trainer_flags[:1] == ["--"] else a.trainer_flags
     if a.jobs < 1:
         ap.error("--jobs must be at least 1")
@@ -55,11 +48,13 @@ def main():
         a.kernel_cache_dir = os.path.join(work, "kernel_cache")
     if a.kernel_cache_dir:
         flags = [*flags, "--kernel-cache-dir", a.kernel_cache_dir]
+        caches = kernel_cache_dirs(a.kernel_cache_dir)
+    else:  # the environment's own caches, which the trainer keeps
+        caches = {"triton": os.environ["TRITON_CACHE_DIR"], "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
     jobs = []
     for j in range(a.jobs):
         run_dir = os.path.join(work, f"job{j + 1}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        caches = cache_dirs(a.kernel_cache_dir)
         cmd = [sys.executable, os.path.join(ROOT, "launchers", "pretrain_k3.py"), *flags, "--train-iters", "1",
                "--wandb-mode", "disabled", "--run-dir", run_dir]
         before = {k: count_files(v) for k, v in caches.items()}

@@ -208,11 +208,17 @@ def use_kernel_cache(path: str) -> str:
     anything is built. Keys include the source, options and GPU, so one cache serves every node of a
     cluster and every later job."""
     path = os.path.abspath(path)
+    dirs = kernel_cache_dirs(path)
     for sub, var in (("triton", "TRITON_CACHE_DIR"), ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
-        os.makedirs(os.path.join(path, sub), exist_ok=True)
-        os.environ[var] = os.path.join(path, sub)
+        os.makedirs(dirs[sub], exist_ok=True)
+        os.environ[var] = dirs[sub]
     os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
     return path
+
+
+def kernel_cache_dirs(path: str) -> dict:
+    """The Triton and Inductor caches under a kernel-cache directory (``use_kernel_cache``'s layout)."""
+    return {"triton": os.path.join(path, "triton"), "inductor": os.path.join(path, "inductor")}
 
 
 def process_age_s() -> float | None:
