@@ -166,7 +166,7 @@ def trainer_bench(base: str, flags: list[str], steps_during: int = 6, threads: l
         w = t.saver.last
         out["async"].append({"step": step - steps_during, "stall_s": stall, "stage_s": w.get("stage_s"),
                              "write_s": w.get("write_s"), "bytes": nbytes, "GB_per_s": nbytes / w["write_s"] / 1e9,
-                             "files_s": w.get("files_s"), "plan_s": w.get("plan_s"), "finish_s": w.get("finish_s"),
+                             "files_s": w.get("files_s"), "plan_s": w.get("plan_s"), "finish_s": w.get("finish_s"), "early_write": w.get("early_write"),
                              "files_GB_per_s": nbytes / w["files_s"] / 1e9 if w.get("files_s") else None,
                              "staged_bytes": w.get("bytes"), "extra_device_memory_bytes": peak_extra,
                              "step_times_during_write_s": during, "waited_after_steps_s": waited,

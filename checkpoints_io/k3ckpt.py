@@ -91,24 +91,30 @@ def _save_strategy(kind: str, digests_out: dict, saver=None, group=None, thread_
             pyt = mcore_to_pyt_state_dict(sd, False)
             writer = _checksumming_writer(str(checkpoint_dir), kind, thread_count=thread_count,
                                           limit_bytes_per_s=limit_bytes_per_s)
+            planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                       flatten_sharded_tensors=False)
             if saver is not None and saver.pool is not None:
+                import torch.distributed as dist
+
                 from checkpoints_io.write_procs import pooled
 
-                writer = pooled(writer, saver.pool, kind, limit_bytes_per_s)
+                # the files start as soon as this rank's local plan exists (write_procs.pooled: early start);
+                # DCP names them after this rank's position in the save's group
+                writer = pooled(writer, saver.pool, kind, limit_bytes_per_s, planner=planner,
+                                rank=dist.get_rank(group) if dist.is_initialized() else 0)
 
             def write():
                 import time
 
                 t = time.perf_counter()
-                dcp.save(pyt, storage_writer=writer, process_group=group,
-                         planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
-                                                  flatten_sharded_tensors=False))
+                dcp.save(pyt, storage_writer=writer, process_group=group, planner=planner)
                 digests_out.update(writer.fs.digests)
                 if saver is not None:  # the save's phases: planning, the data files, metadata and the rest
                     end = time.perf_counter()
                     span = writer.fs.span
                     saver.last.update(write_s=end - t, files_s=(span[1] - span[0]) if span else None,
-                                      plan_s=(span[0] - t) if span else None, finish_s=(end - span[1]) if span else None)
+                                      plan_s=(span[0] - t) if span else None, finish_s=(end - span[1]) if span else None,
+                                      early_write=getattr(writer, "early_write", None))
                 if after_write is not None:
                     after_write()
 

@@ -752,7 +752,8 @@ class Trainer:
         self._pending_save = None
         with self._save_errors(step):
             self.saver.wait()
-        self._print(f"[pretrain] saved step {step} to {path} ({time.perf_counter() - t:.1f} s in the background)")
+        early = "; files started from the local plan" if self.saver.last.get("early_write") else ""
+        self._print(f"[pretrain] saved step {step} to {path} ({time.perf_counter() - t:.1f} s in the background{early})")
 
     def _save_errors(self, step: int):
         """A context that turns a failed save of ``step`` into one ``RunError`` line."""

@@ -30,14 +30,16 @@ def _dcp_metadata(d):
 
 @pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["--use-distributed-optimizer"])], ids=["world1", "dp2-distopt"])
 def test_processes_write_the_files_the_threads_write(root, tmp_path, nproc, layout):
-    """Two identical runs, one writing with threads, one with processes (each rank its own writers): every
+    """Two identical runs, one writing with threads, one with processes (each rank its own writers, started from
+    the local plan: ``test_files_start_from_the_local_plan``): every
     .distcp and metadata.json of the step-3 checkpoint is byte-identical and DCP's metadata holds the same
     values; resuming from the processes' checkpoint gives the uninterrupted run's losses exactly."""
     args = ["--train-iters", 5, "--save-interval", 3, "--ckpt-write-threads", 3, *layout]
     run(root, *args, "--save", tmp_path / "t", "--ckpt-write-workers", "threads", "--run-dir", tmp_path / "rt",
         nproc=nproc)
-    run(root, *args, "--save", tmp_path / "p", "--ckpt-write-workers", "processes", "--run-dir", tmp_path / "rp",
-        nproc=nproc)
+    rp = run(root, *args, "--save", tmp_path / "p", "--ckpt-write-workers", "processes", "--run-dir", tmp_path / "rp",
+             nproc=nproc)
+    assert "saved step 3" in rp.stdout and "files started from the local plan" in rp.stdout, rp.stdout[-2000:]
     a, b = _files(tmp_path / "t" / "iter_0000003"), _files(tmp_path / "p" / "iter_0000003")
     assert sorted(a) == sorted(b) and sum(f.endswith(".distcp") for f in a) == 3 * nproc, (sorted(a), sorted(b))
     assert [f for f in a if a[f] != b[f]] == []
@@ -118,3 +120,70 @@ def test_shared_buffer_grows_and_locates_tensors():
     b.ensure(1 << 20)
     assert b.size == 1 << 20 and os.fstat(b.fd).st_size == 1 << 20
     b.close()
+
+
+def _staged_save(path, pool, shared, tensors, mismatch=False):
+    """A DCP save (single process, no process group) of ``tensors`` copied into ``shared``, written by ``pool``
+    with the early start; ``mismatch``: the global plan names the files otherwise than the local plan predicted."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from checkpoints_io.odirect import checksumming_writer
+    from checkpoints_io.write_procs import pooled
+
+    shared.ensure(sum(t.numel() * 4 for t in tensors.values()) + 4096)
+    sd, off = {}, 0
+    for k, t in tensors.items():
+        n = t.numel() * 4
+        sd[k] = torch.frombuffer(memoryview(shared.mm)[off:off + n], dtype=torch.float32).view(t.shape)
+        sd[k].copy_(t)
+        off += n
+    planner = DefaultSavePlanner()
+    writer = pooled(checksumming_writer(str(path), "odirect", thread_count=3), pool, "odirect", planner=planner)
+    if mismatch:
+        import dataclasses
+
+        from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+        writer.prepare_global_plan = lambda plans: [dataclasses.replace(p, storage_data=_StoragePrefix(f"__9{i}_"))
+                                                    for i, p in enumerate(plans)]
+    dcp.save(sd, storage_writer=writer, planner=planner)
+    return writer
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfd")
+@pytest.mark.parametrize("mismatch", [False, True], ids=["early", "another-plan"])
+def test_files_start_from_the_local_plan(tmp_path, mismatch):
+    """The writer processes start the files from the local plan, before DCP's global plan: when the global plan
+    names the same files they are DCP's result (``early_write``) and the checkpoint is byte for byte the one the
+    writer threads write; when it does not, the early files are removed and the final plan is written."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoints_io.odirect import checksumming_writer
+    from checkpoints_io.write_procs import SharedBuffer, WriterPool
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(17 + i, 33, generator=g) for i in range(40)}
+    shared = SharedBuffer(0)
+    pool = WriterPool(2, shared)
+    pool.start()
+    try:
+        w = _staged_save(tmp_path / "p", pool, shared, tensors, mismatch)
+    finally:
+        pool.close()
+        shared.close()
+    threads = checksumming_writer(str(tmp_path / "t"), "odirect", thread_count=3)
+    dcp.save({k: v.clone() for k, v in tensors.items()}, storage_writer=threads)
+    assert w.early_write is (not mismatch)
+    names = sorted(f for f in os.listdir(tmp_path / "p") if f.endswith(".distcp"))
+    assert names == ([f"__0_{i}.distcp" for i in range(3)] if not mismatch else [f"__90_{i}.distcp" for i in range(3)])
+    assert sorted(k for k in w.fs.digests if k.endswith(".distcp")) == names  # no digest of a removed file
+    if not mismatch:
+        a, b = _files(tmp_path / "p"), _files(tmp_path / "t")
+        assert sorted(a) == sorted(b) and [f for f in a if a[f] != b[f]] == []
+        assert _dcp_metadata(tmp_path / "p") == _dcp_metadata(tmp_path / "t")
+    back = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    dcp.load(back, checkpoint_id=str(tmp_path / "p"))
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
