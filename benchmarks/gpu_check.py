@@ -19,6 +19,11 @@ import datetime
 import os
 import sys
 
+if sys.argv[1:3] == ["--sdpa-probe", "te-first"]:  # the probe's control: TE before megatron_k3 (megatron_k3/cudnn.py)
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001  (sdpa_probe reports the import error)
+        pass
 
 import torch  # noqa: E402
 from benchmark import command_line, write_report  # noqa: E402
@@ -425,29 +430,18 @@ SDPA_MODES = ("plain", "te-first", "preload-te-first")
 
 
 def preload_torch_cudnn() -> list[str]:
-    """dlopen torch's pip cuDNN libraries (package ``nvidia.cudnn``) with RTLD_GLOBAL, ``libcudnn_graph``
-    first (the others need it by soname), so that a later load by soname finds them instead of a system
-    cuDNN. Returns the files loaded (none without the package)."""
-    import ctypes
-    import glob
-    import importlib.util
+    """torch's pip cuDNN loaded before TE: what ``import megatron_k3`` does (``megatron_k3/cudnn.py``); the
+    files it loaded (none without the package)."""
+    from megatron_k3.cudnn import prefer_torch_cudnn
 
-    spec = importlib.util.find_spec("nvidia.cudnn")
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    libs = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "lib", "libcudnn*.so.9")))
-    libs.sort(key=lambda f: (not os.path.basename(f).startswith("libcudnn_graph"),
-                             os.path.basename(f) == "libcudnn.so.9"))  # graph, the other parts, the front end
-    for f in libs:
-        ctypes.CDLL(f, mode=ctypes.RTLD_GLOBAL)
-    return libs
+    return prefer_torch_cudnn()["preloaded"]
 
 
 def sdpa_probe(mode: str) -> dict:
     """Which kernel SDPA runs at k3-mini's MLA shape in this process (``mode``): ``plain`` (torch alone),
-    ``te-first`` (Transformer Engine imported before torch touches cuDNN, as in the megatron model:
-    megatron-core imports TE at import time) or ``preload-te-first`` (torch's own cuDNN libraries loaded
-    first, ``preload_torch_cudnn``, then TE). Reports the cuDNN version torch sees, the libcudnn files mapped
+    ``te-first`` (Transformer Engine imported before torch touches cuDNN and before ``megatron_k3``: how the
+    megatron model ran before ``megatron_k3/cudnn.py``, megatron-core imports TE at import time) or
+    ``preload-te-first`` (torch's own cuDNN libraries loaded first, as ``import megatron_k3`` now does, then TE). Reports the cuDNN version torch sees, the libcudnn files mapped
     into the process, the fwd+bwd time of the default choice, of the order ``--sdpa-backend cudnn`` sets
     (``megatron_k3.model.mla.sdpa_backends``) and of each backend forced alone, the reason torch gives when
     one refuses, and how far cuDNN's output and gradients are from the memory-efficient kernel's
@@ -470,6 +464,9 @@ def sdpa_probe(mode: str) -> dict:
             out["transformer_engine"] = transformer_engine.__version__
         except Exception as e:  # noqa: BLE001
             out["transformer_engine"] = f"unavailable: {type(e).__name__}: {e}"
+    from megatron_k3.cudnn import status
+
+    out["megatron_k3_cudnn"] = status()  # what ``import megatron_k3`` did (te-first: TE was imported before it)
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
