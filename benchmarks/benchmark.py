@@ -203,6 +203,7 @@ def main():
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3["peak_memory_gib"], "losses": k3["losses"], "breakdown": k3["breakdown"],
         "baselines": baselines, "transformer_engine": have_te(),
+        "cudnn": _cudnn_report(),
     }
     if k3["trainer_loop"]:
         rep["trainer_loop_vs_train_step"] = k3["trainer_loop"]["median_step_s"] / med
@@ -349,6 +350,18 @@ def time_steps(step, batches, device, warmup: int):
             times.append(dt)
         progress(f"step {i}{' (warm-up)' if i < warmup else ''}: {dt:.3f} s")
     return times, outs, batch
+
+
+def _cudnn_report() -> dict:
+    """Which cuDNN this process runs (``megatron_k3/cudnn.py``: torch's, loaded before TE) and the libraries mapped."""
+    from megatron_k3 import cudnn
+
+    try:
+        version = torch.backends.cudnn.version()
+    except Exception as e:  # noqa: BLE001  (the version-mismatch error TE's system cuDNN caused)
+        version = f"error: {e}"[:300]
+    return {"version": version, "megatron_k3": cudnn.status(),
+            "mapped": [os.path.basename(m) for m in cudnn._mapped_cudnn()]}
 
 
 def command_line(script: str, launcher: list[str] | None = None) -> str:
