@@ -434,7 +434,7 @@ def preload_torch_cudnn() -> list[str]:
     files it loaded (none without the package)."""
     from megatron_k3.cudnn import prefer_torch_cudnn
 
-    return prefer_torch_cudnn()["preloaded"]
+    return prefer_torch_cudnn(force=True)["preloaded"]  # this mode asks for it, GPU device node or not
 
 
 def sdpa_probe(mode: str) -> dict:
