@@ -84,6 +84,23 @@ class _Region:
     param_dtype: torch.dtype = torch.float32
 
 
+@dataclass
+class _Chunk:
+    """One streamed chunk, planned once (``HostStreamAdamW._plan``) and replayed every step: host range
+    [h0, h1); the gradient slices that fill its pinned buffer; per output slot the views the host update casts
+    the new weights into (laid out back to back, each aligned to its dtype: one contiguous transfer of
+    ``nbytes``), the host->device copies and the device-side scatter into the parameters (one
+    ``torch._foreach_copy_`` per dtype instead of one copy per parameter)."""
+    h0: int
+    h1: int
+    grads: list = field(default_factory=list)    # (off, grad_data view): g[off:off + n] <- view
+    nbytes: int = 0
+    layout: list = field(default_factory=list)   # (region, buf_lo, buf_hi, off, byte_lo)
+    outs: list = field(default_factory=list)     # per slot: [(off, view of the pinned output slot)]
+    h2d: list = field(default_factory=list)      # per slot: [(dst, src)] copies (non_blocking on CUDA)
+    scatter: list = field(default_factory=list)  # per slot: [(dst views, src views)] for torch._foreach_copy_
+
+
 def _fused_adamw_available() -> bool:
     if not hasattr(torch, "_fused_adamw_"):
         return False
@@ -246,11 +263,20 @@ class HostStreamAdamW:
         pin = self.cuda
         n = min(self.chunk_elems, max(self.numel, 1))
         self._gbufs = [torch.empty(n, dtype=self.grad_dtype, pin_memory=pin) for _ in range(num_buffers)]
-        # updated weights leave through byte buffers viewed per region as that region's parameter dtype
-        # (a chunk may span a bf16 and an fp32 buffer): element k of a chunk at bytes [4k, 4k + itemsize)
-        self._pbufs = [torch.empty(4 * n, dtype=torch.uint8, pin_memory=pin) for _ in range(num_buffers)]
+        # updated weights leave through byte buffers viewed per region as that region's parameter dtype (a
+        # chunk may span a bf16 and an fp32 buffer), back to back: one transfer per chunk; without the
+        # distributed optimizer the parameters are separate tensors, so the bytes land in a device staging
+        # slot and one _foreach_copy_ per dtype scatters them (instead of a host->device copy per parameter)
+        self.chunks_plan = self._plan()
+        nbytes = max([c.nbytes for c in self.chunks_plan] + [1])
+        self._pbufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(num_buffers)]
+        self._stage = []
         if self.cuda:
-            self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
+            dev = self.regions[0].buffer.grad_data.device
+            self._d2h, self._h2d = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+            if not self.distributed:
+                self._stage = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(num_buffers)]
+        self._bound = None
         self._build_norm_lists(ps)
         self._load_master_from_params()
 
@@ -259,6 +285,11 @@ class HostStreamAdamW:
     def fixed_buffer_bytes(self) -> int:
         """Bytes of the reused chunk buffers and CPU working copies (independent of the model size)."""
         return sum(t.numel() * t.element_size() for t in self._gbufs + self._pbufs) + self.host.work_bytes
+
+    @property
+    def device_buffer_bytes(self) -> int:
+        """Bytes of the device staging slots (without the distributed optimizer; fixed, not per parameter)."""
+        return sum(t.numel() for t in self._stage)
 
     @property
     def state_bytes(self) -> int:
@@ -323,25 +354,72 @@ class HostStreamAdamW:
                 out.append((reg, reg.lo + a - reg.host, reg.lo + z - reg.host, a - h0))
         return out
 
-    def _out_views(self, slot: int, h0: int, h1: int):
-        """(region, buf_lo, buf_hi, chunk_off, view): the output slot's bytes of each transfer of the chunk
-        as that region's parameter dtype."""
-        raw = self._pbufs[slot]
-        out = []
-        for reg, blo, bhi, off in self._transfers(h0, h1):
-            isz = torch.empty((), dtype=reg.param_dtype).element_size()
-            if isz > 4:
-                raise RuntimeError(f"parameter dtype {reg.param_dtype} is wider than fp32")
-            view = raw[4 * off:4 * off + isz * (bhi - blo)].view(reg.param_dtype)
-            out.append((reg, blo, bhi, off, view))
-        return out
+    def _plan(self):
+        """Build the chunk plans (layout only: which grad slices, where each region's weights sit in the output
+        slot); the views are bound by ``_bind``."""
+        chunks = []
+        for h0 in range(0, self.numel, self.chunk_elems):
+            c = _Chunk(h0, min(self.numel, h0 + self.chunk_elems))
+            b = 0
+            for reg, blo, bhi, off in self._transfers(c.h0, c.h1):
+                isz = torch.empty((), dtype=reg.param_dtype).element_size()
+                b = -(-b // isz) * isz
+                c.layout.append((reg, blo, bhi, off, b))
+                b += isz * (bhi - blo)
+            c.nbytes = b
+            chunks.append(c)
+        return chunks
+
+    def _bind(self):
+        """Bind every chunk plan to the current tensors (grad buffers, parameters, pinned and staging slots);
+        redone when any of them moved (``_bound_key``)."""
+        stage = self.cuda and not self.distributed
+        for c in self.chunks_plan:
+            c.grads, c.outs, c.h2d, c.scatter = [], [], [], []
+            for reg, blo, bhi, off, _ in c.layout:
+                c.grads.append((off, reg.buffer.grad_data[blo:bhi]))
+            for s in range(len(self._pbufs)):
+                raw = self._pbufs[s]
+                outs, h2d, groups = [], [], {}
+                src_raw = self._stage[s] if stage else raw
+                if stage and c.nbytes:
+                    h2d.append((self._stage[s][:c.nbytes], raw[:c.nbytes]))
+                for reg, blo, bhi, off, b in c.layout:
+                    isz = torch.empty((), dtype=reg.param_dtype).element_size()
+                    view = raw[b:b + isz * (bhi - blo)].view(reg.param_dtype)
+                    outs.append((off, view))
+                    if self.distributed:
+                        h2d.append((reg.buffer.param_data[blo:bhi], view))
+                        continue
+                    src = src_raw[b:b + isz * (bhi - blo)].view(reg.param_dtype)
+                    dsts, srcs = groups.setdefault(reg.param_dtype, ([], []))
+                    for p, a, z, plo, pb in self._pieces_in(reg, blo, bhi):
+                        dsts.append(p.data.view(-1)[plo + a - pb:plo + z - pb])
+                        srcs.append(src[a - blo:z - blo])
+                c.outs.append(outs)
+                c.h2d.append(h2d)
+                c.scatter.append([(d, s) for d, s in groups.values() if d])
+        self._bound = self._bound_key()
+
+    def _bound_key(self):
+        """Addresses of every tensor the plans hold views of: a moved parameter or buffer rebinds them."""
+        return (tuple(p.data_ptr() for p in self._params),
+                tuple(r.buffer.grad_data.data_ptr() for r in self.regions),
+                tuple(r.buffer.param_data.data_ptr() if r.buffer.param_data is not None else 0 for r in self.regions))
+
+    def _write_chunk(self, c: _Chunk, slot: int):
+        """Carry chunk ``c``'s updated weights (output slot ``slot``) into the parameters, on the current
+        stream: the host->device copies, then the scatter on the device."""
+        nb = self.cuda
+        for dst, src in c.h2d[slot]:
+            dst.copy_(src, non_blocking=nb)
+        for dsts, srcs in c.scatter[slot]:
+            torch._foreach_copy_(dsts, srcs)
 
     @staticmethod
     def _pieces_in(reg, blo: int, bhi: int):
         """The pieces of ``reg`` overlapping buffer range [blo, bhi), as (param, a, z, plo, pb) with [a, z) the
-        overlap. The pieces are sorted by buffer offset and do not overlap, so a bisection finds the first one:
-        a chunk visits only its own pieces, not every parameter of the region (k3-mini: ~160 chunks x ~3,400
-        parameters a step otherwise)."""
+        overlap. The pieces are sorted by buffer offset and do not overlap, so a bisection finds the first one."""
         import bisect
 
         i = max(0, bisect.bisect_right(reg.starts, blo) - 1)
@@ -351,15 +429,6 @@ class HostStreamAdamW:
             a, z = max(blo, pb), min(bhi, pb + phi - plo)
             if z > a:
                 yield p, a, z, plo, pb
-
-    def _write_params(self, outs):
-        """Copy updated weights (``_out_views`` of a chunk) into the model's parameters."""
-        for reg, blo, bhi, off, src in outs:
-            if self.distributed:
-                reg.buffer.param_data[blo:bhi].copy_(src, non_blocking=True)
-                continue
-            for p, a, z, plo, pb in self._pieces_in(reg, blo, bhi):
-                p.data.view(-1)[plo + a - pb:plo + z - pb].copy_(src[a - blo:z - blo], non_blocking=True)
 
     def _read_params(self, dst: torch.Tensor, h0: int, h1: int):
         for reg, blo, bhi, off in self._transfers(h0, h1):
@@ -420,52 +489,72 @@ class HostStreamAdamW:
         self.step_count += 1
         hyper = [(float(g["lr"]), float(g["weight_decay"])) for g in self.param_groups]
         t1 = time.perf_counter()
-        self._stream(clip, hyper)
+        parts = self._stream(clip, hyper)
         t2 = time.perf_counter()
         self._sync_params()
-        self.timings = {"norm_s": t1 - t0, "stream_s": t2 - t1, "param_sync_s": time.perf_counter() - t2}
+        self.timings = {"norm_s": t1 - t0, "stream_s": t2 - t1, "param_sync_s": time.perf_counter() - t2,
+                        "stream_parts_s": parts, "chunks": len(self.chunks_plan)}
         return True, grad_norm, None
 
-    def _stream(self, clip: float, hyper):
-        ranges = [(h0, min(self.numel, h0 + self.chunk_elems)) for h0 in range(0, self.numel, self.chunk_elems)]
-        nbuf = len(self._gbufs)
+    def _stream(self, clip: float, hyper) -> dict:
+        """Walk the chunk plans; returns the host time spent per kind (waiting for a gradient chunk or a free
+        output slot, the update itself, issuing copies)."""
+        if self._bound != self._bound_key():
+            self._bind()
+        plan, nbuf, clock = self.chunks_plan, len(self._gbufs), time.perf_counter
+        t = dict.fromkeys(("wait_d2h_s", "wait_h2d_s", "update_s", "issue_s"), 0.0)
         if not self.cuda:
-            for h0, h1 in ranges:
-                g = self._gbufs[0][:h1 - h0]
-                for reg, blo, bhi, off in self._transfers(h0, h1):
-                    g[off:off + bhi - blo].copy_(reg.buffer.grad_data[blo:bhi])
-                outs = self._out_views(0, h0, h1)
-                self.host.update(g, h0, h1, self.step_count, clip, hyper, outs)
-                self._write_params(outs)
-            return
+            g = self._gbufs[0]
+            for c in plan:
+                t0 = clock()
+                for off, src in c.grads:
+                    g[off:off + src.numel()].copy_(src)
+                t1 = clock()
+                self.host.update(g[:c.h1 - c.h0], c.h0, c.h1, self.step_count, clip, hyper, c.outs[0])
+                t2 = clock()
+                self._write_chunk(c, 0)
+                t["issue_s"] += (t1 - t0) + clock() - t2
+                t["update_s"] += t2 - t1
+            return t
         cur = torch.cuda.current_stream()
         self._d2h.wait_stream(cur)   # gradients are final on the compute stream
         self._h2d.wait_stream(cur)   # the parameters are not in use any more
         d2h_ev, h2d_ev = [None] * nbuf, [None] * nbuf
 
         def fetch(i):
-            h0, h1 = ranges[i]
             g = self._gbufs[i % nbuf]
             with torch.cuda.stream(self._d2h):
-                for reg, blo, bhi, off in self._transfers(h0, h1):
-                    g[off:off + bhi - blo].copy_(reg.buffer.grad_data[blo:bhi], non_blocking=True)
+                for off, src in plan[i].grads:
+                    g[off:off + src.numel()].copy_(src, non_blocking=True)
                 d2h_ev[i % nbuf] = self._d2h.record_event()
 
-        for i in range(min(nbuf - 1, len(ranges))):
+        t0 = clock()
+        for i in range(min(nbuf - 1, len(plan))):
             fetch(i)
-        for i, (h0, h1) in enumerate(ranges):
-            if i + nbuf - 1 < len(ranges):
+        t["issue_s"] += clock() - t0
+        for i, c in enumerate(plan):
+            t0 = clock()
+            if i + nbuf - 1 < len(plan):
                 fetch(i + nbuf - 1)   # its slot's previous chunk (i - 1) is already updated on the CPU
             s = i % nbuf
+            t1 = clock()
             d2h_ev[s].synchronize()
+            t2 = clock()
             if h2d_ev[s] is not None:
                 h2d_ev[s].synchronize()   # the pinned output slot is free again
-            outs = self._out_views(s, h0, h1)
-            self.host.update(self._gbufs[s][:h1 - h0], h0, h1, self.step_count, clip, hyper, outs)
+            t3 = clock()
+            self.host.update(self._gbufs[s][:c.h1 - c.h0], c.h0, c.h1, self.step_count, clip, hyper, c.outs[s])
+            t4 = clock()
             with torch.cuda.stream(self._h2d):
-                self._write_params(outs)
+                self._write_chunk(c, s)
                 h2d_ev[s] = self._h2d.record_event()
+            t5 = clock()
+            t["issue_s"] += (t1 - t0) + (t5 - t4)
+            t["wait_d2h_s"] += t2 - t1
+            t["wait_h2d_s"] += t3 - t2
+            t["update_s"] += t4 - t3
         cur.wait_stream(self._h2d)
+        return t
 
     # ---------------------------------------------------------------------------------------------------
     def _names(self):
@@ -515,12 +604,12 @@ class HostStreamAdamW:
                 for key, dst in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
                     dst[h:h + phi - plo].copy_(st[key].reshape(-1)[plo:phi])
         self.step_count = int(states["step"])
-        for h0 in range(0, self.numel, self.chunk_elems):
-            h1 = min(self.numel, h0 + self.chunk_elems)
-            outs = self._out_views(0, h0, h1)
-            for _, blo, bhi, off, view in outs:
-                view.copy_(self.master[h0 + off:h0 + off + bhi - blo])
-            self._write_params(outs)
+        if self._bound != self._bound_key():
+            self._bind()
+        for c in self.chunks_plan:
+            for off, view in c.outs[0]:
+                view.copy_(self.master[c.h0 + off:c.h0 + off + view.numel()])
+            self._write_chunk(c, 0)
             if self.cuda:
                 torch.cuda.synchronize()
         self._sync_params()
