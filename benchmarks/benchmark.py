@@ -202,7 +202,7 @@ def main():
         "trainer_loop": k3["trainer_loop"],
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3["peak_memory_gib"], "losses": k3["losses"], "breakdown": k3["breakdown"],
-        "baselines": baselines, "transformer_engine": have_te(),
+        "optimizer_timings": k3["optimizer_timings"], "baselines": baselines, "transformer_engine": have_te(),
         "cudnn": _cudnn_report(),
     }
     if k3["trainer_loop"]:
@@ -249,7 +249,7 @@ def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True,
                                                                 "(data, train_step, metrics, logging)"}
             progress(f"trainer loop: median {loop['median_step_s']:.3f} s over {len(st)} steps")
     lr = trainer.lr_at(0)
-    times, losses, batches = [], [], []
+    times, losses, batches, opt_timings = [], [], [], []
     for i in range(ns.warmup + ns.steps):
         micro = trainer.loader.next_step()
         batches.append([(m["tokens"], m["labels"]) for m in micro])
@@ -263,6 +263,8 @@ def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True,
         losses.append(res.loss)
         if i >= ns.warmup:
             times.append(dt)
+            if getattr(trainer.opt, "timings", None):  # the host-stream optimizer's own split of its step
+                opt_timings.append(dict(trainer.opt.timings))
         progress(f"step {i}{' (warm-up)' if i < ns.warmup else ''}: {dt:.3f} s  loss {res.loss:.4f}")
     breakdown = None
     if profile and (profile_path or cuda):  # one extra, profiled step: where the device time goes
@@ -288,6 +290,7 @@ def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True,
     out = {"build_and_init_s": build_s, "graph_capture_s": trainer.graph_capture_s,
            "layer_graph_replays": replays, "step_times_s": times, "median_step_s": statistics.median(times),
            "losses": losses, "peak_memory_gib": peak, "breakdown": breakdown, "trainer_loop": loop,
+           "optimizer_timings": opt_timings or None,
            "kernels": vars(perf.current()), "batches": batches,
            "data": {"path": trainer.job.data.data_path, "windows": trainer.loader.num_windows}}
     trainer.close(destroy_process_group=False)

@@ -88,6 +88,9 @@ class OptimSection:
     optimizer_offload: str = F("none", "host-stream: AdamW state in pinned host memory, gradients streamed in chunks, "
                                        "update on the CPU (megatron_k3/optim/offload.py)", choices=("none", "host-stream"))
     offload_moments_dtype: str = F("bf16", "host-stream moments", choices=("bf16", "fp32"))
+    offload_chunk_mb: int = F(32, "host-stream: MiB of fp32 gradient per streamed chunk (the pinned host buffers "
+                                  "are offload-buffers x 2 x this, fixed, not per parameter)")
+    offload_buffers: int = F(2, "host-stream: chunk buffers in flight (>= 2: one copied while the CPU updates another)")
     lr: float = F(3e-3, "peak learning rate")
     min_lr: float = F(3e-4, "final learning rate of the decay")
     lr_warmup_fraction: float = F(0.05, "warmup steps = fraction x train iters, rounded, at least 1 when > 0")

@@ -148,6 +148,9 @@ def validate(job: JobConfig, cfg, layout: ParallelLayout, world: int) -> None:
     check_cuda_graphs(pf.cuda_graph_impl, layout, pf.recompute_granularity, pf.fp8_recipe, bf16=pf.bf16)
     if o.optimizer == "muon" and o.optimizer_offload != "none":
         raise UsageError("--optimizer-offload host-stream streams AdamW only; use --optimizer adam")
+    if o.offload_chunk_mb < 1 or o.offload_buffers < 2:
+        raise UsageError(f"--offload-chunk-mb must be >= 1 and --offload-buffers >= 2 "
+                         f"(got {o.offload_chunk_mb} and {o.offload_buffers})")
     if o.optimizer == "muon" and job.parallel.use_distributed_optimizer:
         raise UsageError("--optimizer muon runs without --use-distributed-optimizer (megatron's shards Adam state only)")
     lr_schedule(job)
@@ -422,7 +425,8 @@ class Trainer:
                 self.ddp, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
                 use_distributed_optimizer=p.use_distributed_optimizer, bf16=bf16, adam_eps=o.adam_eps,
                 beta1=o.adam_beta1, beta2=o.adam_beta2,
-                moments_dtype=torch.bfloat16 if o.offload_moments_dtype == "bf16" else torch.float32)
+                moments_dtype=torch.bfloat16 if o.offload_moments_dtype == "bf16" else torch.float32,
+                chunk_bytes=o.offload_chunk_mb << 20, num_buffers=o.offload_buffers)
         from ..parallel.runtime import build_optimizer
 
         return build_optimizer(self.ddp, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
