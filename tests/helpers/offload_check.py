@@ -180,6 +180,10 @@ def _worker(rank, world, port, out_path, cases, steps, chunk_bytes):
                                             impl=impl, moments_dtype=opt_b.moments_dtype)
         opt_c.load_param_states(states)
         diff = max(float((pc.detach() - pb.detach()).abs().max()) for pc, pb in zip(chunks_c[0].parameters(), params_b))
+        if not distopt:  # C's parameters move to new storage: the stream's chunk plans must rebind to them
+            for pc in chunks_c[0].parameters():   # (with the distributed optimizer they are views of DDP's buffer)
+                pc.data = pc.data.clone()
+            errs["params_moved_before_roundtrip_step"] = True
         for dc, db in zip(ddp_c, models[1][1]):
             for bc, bb in zip(list(dc.buffers) + list(dc.expert_parallel_buffers),
                               list(db.buffers) + list(db.expert_parallel_buffers)):

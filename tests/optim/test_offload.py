@@ -27,6 +27,7 @@ def test_single_rank_equals_megatron_optimizer(root, tmp_path):
     bf16 moments: 8 host bytes per parameter and bf16-rounding-sized differences."""
     d = _check(root, tmp_path, 1, ["dp1-fp32-torch", "dp1-bf16-fused", "dp1-bf16-torch-bf16moments"])
     _exact(d["dp1-fp32-torch"])
+    assert d["dp1-fp32-torch"]["params_moved_before_roundtrip_step"]  # the plans rebound to moved parameters
     assert d["dp1-fp32-torch"]["chunks_per_step"] > 10  # the state really is streamed in many chunks
     f = d["dp1-bf16-fused"]
     for k in ("master", "exp_avg", "exp_avg_sq"):
