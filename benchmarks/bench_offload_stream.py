@@ -24,11 +24,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import torch  # noqa: E402
+import torch
 
 
 def build(n_params: float, n_small: int, device):
@@ -116,7 +112,13 @@ def main():
         dump()
         del opt
     if args.host_only:
-        from bench_offload_host import time_update
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(  # the sibling script's timing loop, not a copy of it
+            "bench_offload_host", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_offload_host.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        time_update = mod.time_update
 
         del ddp
         gc.collect()
