@@ -12,7 +12,10 @@ gradients into its fp32 grad buffers, ``param.main_grad``):
    instance with ``use_distributed_optimizer``); clip coefficient ``c = clip / (norm + 1e-6)`` if < 1;
 2. the host state is walked in chunks of ``chunk_bytes`` of gradient: chunk i+1 is copied device->host
    (side stream, pinned buffer) while the CPU updates chunk i and chunk i-1's updated weights are copied
-   host->device (another side stream); ``num_buffers`` pinned buffers are reused round robin;
+   host->device (another side stream); ``num_buffers`` pinned buffers are reused round robin. Each chunk is
+   planned once (``_Chunk``: its gradient slices, its output views back to back, its copies) and the plans are
+   rebound when a parameter or buffer moves; a chunk's weights cross in one copy (without the distributed
+   optimizer into a device staging slot, then one ``torch._foreach_copy_`` per dtype into the parameters);
 3. each chunk's update is torch's AdamW (decoupled decay, bias correction; ``impl="fused"``: the
    vectorised, multithreaded ``torch._fused_adamw_`` CPU kernel; ``impl="torch"``: the same operations as
    ``torch.optim.AdamW``'s single-tensor path, bit-identical to it), on fp32 working copies of the
