@@ -19,6 +19,7 @@ setup(
     description="Kimi K3 architecture pretraining on megatron-core",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_k3", "megatron_k3.*", "checkpoints_io", "checkpoints_io.*"]),
+    package_data={"megatron_k3.optim": ["host_adamw.c"]},  # built at first use (optim/host_kernel.py)
     install_requires=_reqs("requirements.txt"),
     entry_points={"console_scripts": ["megatron-k3=megatron_k3.__main__:main"]},  # megatron-k3 <command> ...
     extras_require={

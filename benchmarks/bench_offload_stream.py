@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--params", type=float, default=1.257e9, help="elements (default: k3-mini's 1.257 B)")
     ap.add_argument("--small", type=int, default=2372, help="small [1024] parameters (k3-mini: 2447 params in all)")
     ap.add_argument("--variants", default="32:2,32:4,128:2,128:3", help="comma list of chunk_MiB:buffers")
+    ap.add_argument("--impls", default="onepass,fused", help="comma list of host update kernels (offload.IMPLS), "
+                    "each run with every variant and, with --host-only, alone")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up step)")
     ap.add_argument("--host-only", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the host update alone on the same elements (bench_offload_host.time_update)")
@@ -86,11 +88,13 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(rec, f, indent=1)
 
-    for spec in args.variants.split(","):
+    impls = args.impls.split(",")
+    for impl, spec in ((i, s) for i in impls for s in args.variants.split(",")):
         mib, nbuf = (int(x) for x in spec.split(":"))
         gc.collect()
         t0 = time.perf_counter()
-        opt = build_host_stream_optimizer([ddp], lr=1e-4, bf16=True, chunk_bytes=mib << 20, num_buffers=nbuf)
+        opt = build_host_stream_optimizer([ddp], lr=1e-4, bf16=True, chunk_bytes=mib << 20, num_buffers=nbuf,
+                                          impl=impl)
         build_s = time.perf_counter() - t0
         times, parts = [], []
         for i in range(args.steps + 1):
@@ -103,11 +107,12 @@ def main():
                 parts.append(opt.timings)
         med = statistics.median(times)
         v = {"chunk_mib": mib, "buffers": nbuf, "chunks": opt.timings["chunks"], "impl": opt.impl,
+             "impl_note": opt.impl_note,
              "build_s": round(build_s, 2), "step_s": times, "median_step_s": med,
              "G_params_per_s": n / med / 1e9, "timings": parts,
              "fixed_buffer_bytes": opt.fixed_buffer_bytes, "device_buffer_bytes": opt.device_buffer_bytes}
         rec["variants"].append(v)
-        print(json.dumps({k: v[k] for k in ("chunk_mib", "buffers", "median_step_s", "G_params_per_s")}
+        print(json.dumps({k: v[k] for k in ("impl", "chunk_mib", "buffers", "median_step_s", "G_params_per_s")}
                          | {"parts": parts[-1]["stream_parts_s"]}), flush=True)
         dump()
         del opt
@@ -124,11 +129,14 @@ def main():
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        upd, times = time_update(n, "fused", 1 << 20, torch.bfloat16, args.steps)
-        rec["host_only"] = {"impl": "fused", "moments": "bfloat16", "cpu_block": 1 << 20, "seconds": times,
-                            "G_params_per_s": n / statistics.median(times) / 1e9}
-        print(json.dumps(rec["host_only"]), flush=True)
-        dump()
+        rec["host_only"] = []
+        for impl in impls:
+            upd, times = time_update(n, impl, 1 << 20, torch.bfloat16, args.steps)
+            rec["host_only"].append({"impl": upd.impl, "moments": "bfloat16", "cpu_block": 1 << 20,
+                                     "seconds": times, "G_params_per_s": n / statistics.median(times) / 1e9})
+            print(json.dumps(rec["host_only"][-1]), flush=True)
+            dump()
+            del upd
     destroy()
 
 

@@ -16,11 +16,18 @@ gradients into its fp32 grad buffers, ``param.main_grad``):
    planned once (``_Chunk``: its gradient slices, its output views back to back, its copies) and the plans are
    rebound when a parameter or buffer moves; a chunk's weights cross in one copy (without the distributed
    optimizer into a device staging slot, then one ``torch._foreach_copy_`` per dtype into the parameters);
-3. each chunk's update is torch's AdamW (decoupled decay, bias correction; ``impl="fused"``: the
-   vectorised, multithreaded ``torch._fused_adamw_`` CPU kernel; ``impl="torch"``: the same operations as
-   ``torch.optim.AdamW``'s single-tensor path, bit-identical to it), on fp32 working copies of the
-   moments in blocks of ``cpu_block_elems`` (cache sized); then the fp32 master is cast to the parameter
-   dtype and streamed back;
+3. each chunk's update is torch's AdamW (decoupled decay, bias correction). ``impl="onepass"`` (the
+   default where it builds, ``impl="auto"``): ``host_adamw.c``, one pass over the chunk that reads the
+   gradient, master and moments once and writes master, moments and the parameter-dtype weights once, with
+   the roundings of torch's fused CPU kernel (checked bit for bit against it before use,
+   ``host_kernel.self_check``); ``impl="fused"``: the vectorised, multithreaded ``torch._fused_adamw_`` CPU
+   kernel; ``impl="torch"``: the same operations as ``torch.optim.AdamW``'s single-tensor path,
+   bit-identical to it. The torch kernels work on fp32 working copies of the moments in blocks of
+   ``cpu_block_elems`` (cache sized) and then cast the fp32 master to the parameter dtype. torch's fused
+   kernel computes the last (< 16) elements of each thread's share in a scalar loop whose rounding of
+   ``exp_avg_sq`` differs from its vector loop, so "fused" results depend on the thread count and block
+   layout in those elements; the one-pass kernel uses the vector loop's roundings everywhere. The new weights
+   are streamed back;
 4. with the distributed optimizer each DP rank owns, as megatron's ``DistributedOptimizer`` does, the
    r-th of DP equal slices of every DDP bucket (``param_and_grad_buffer``), reads its reduced-scattered
    gradient slice, updates it, writes its slice of the bucket's parameter buffer and all-gathers the
@@ -52,6 +59,7 @@ from ..parallel.collectives import all_gather_into_tensor, all_reduce
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # fp32 gradient bytes per streamed chunk (8M elements)
 DEFAULT_CPU_BLOCK = 1 << 20     # elements per CPU update block (fp32 working copies of the moments)
+IMPLS = ("auto", "onepass", "fused", "torch")
 
 
 def proc_status_bytes(key: str = "VmRSS") -> int:
@@ -102,6 +110,7 @@ class _Chunk:
     outs: list = field(default_factory=list)     # per slot: [(off, view of the pinned output slot)]
     h2d: list = field(default_factory=list)      # per slot: [(dst, src)] copies (non_blocking on CUDA)
     scatter: list = field(default_factory=list)  # per slot: [(dst views, src views)] for torch._foreach_copy_
+    pieces: list = field(default_factory=list)   # per slot: the one-pass kernel's rows (HostAdamWUpdate.pieces)
 
 
 def _fused_adamw_available() -> bool:
@@ -125,13 +134,28 @@ class HostAdamWUpdate:
 
     def __init__(self, numel: int, segments, *, moments_dtype=torch.bfloat16, impl: str = "auto",
                  beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8, cpu_block_elems: int = DEFAULT_CPU_BLOCK,
-                 max_chunk: int | None = None):
+                 max_chunk: int | None = None, out_dtypes=(), build_dir: str | None = None):
         if moments_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"moments_dtype must be torch.bfloat16 or torch.float32, not {moments_dtype}")
-        if impl == "auto":
-            impl = "fused" if _fused_adamw_available() else "torch"
-        if impl not in ("fused", "torch"):
-            raise ValueError(f"impl must be 'auto', 'fused' or 'torch', not {impl!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
+        self.impl_note = ""
+        self.kernel = None
+        if impl in ("auto", "onepass"):
+            from . import host_kernel
+
+            try:
+                bad = [d for d in out_dtypes if d not in host_kernel.OUT_KIND]
+                if bad:
+                    raise host_kernel.KernelUnavailable(f"parameter dtypes {bad} (the one-pass kernel writes "
+                                                        f"fp32 and bf16 weights)")
+                self.kernel = host_kernel.load(build_dir)
+                impl = "onepass"
+            except host_kernel.KernelUnavailable as e:
+                if impl == "onepass":
+                    raise
+                self.impl_note = f"one-pass kernel not used: {e}"
+                impl = "fused" if _fused_adamw_available() else "torch"
         self.numel, self.segments = int(numel), list(segments)
         self.moments_dtype, self.impl = moments_dtype, impl
         self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
@@ -140,19 +164,53 @@ class HostAdamWUpdate:
         self.exp_avg_sq = torch.zeros(self.numel, dtype=moments_dtype)
         self.cpu_block = max(1024, int(cpu_block_elems))
         nb = min(self.cpu_block, max_chunk or self.cpu_block)
-        self._ws = [torch.empty(nb, dtype=torch.float32) for _ in range(3)]  # m, v, denom working copies
+        # m, v, denom fp32 working copies (the torch kernels' path; the one-pass kernel needs none)
+        self._ws = [] if self.kernel else [torch.empty(nb, dtype=torch.float32) for _ in range(3)]
         self._step_t = torch.zeros((), dtype=torch.float32)
+
+    def pieces(self, h0: int, h1: int, outs) -> torch.Tensor:
+        """The one-pass kernel's description of chunk [h0, h1) with outputs ``outs`` (as in ``update``):
+        (a, z, group, out_kind, out_ptr) rows covering it, split at group and output boundaries. Built once
+        per chunk plan and output slot (``HostStreamAdamW._bind``); the pointers stay valid while the
+        output views live."""
+        from .host_kernel import NO_OUTPUT, OUT_KIND, OnePassAdamW
+
+        spans = sorted((h0 + off, h0 + off + view.numel(), view) for *_, off, view in outs)
+        rows = []
+        for lo, hi, gi in self.segments:
+            a, z = max(lo, h0), min(hi, h1)
+            if z <= a:
+                continue
+            pos = a
+            for oa, oz, view in spans:
+                x, y = max(pos, oa), min(z, oz)
+                if y <= x:
+                    continue
+                if x > pos:
+                    rows.append((pos, x, gi, NO_OUTPUT, 0))
+                rows.append((x, y, gi, OUT_KIND[view.dtype], view.data_ptr() + (x - oa) * view.element_size()))
+                pos = y
+            if pos < z:
+                rows.append((pos, z, gi, NO_OUTPUT, 0))
+        return OnePassAdamW.pieces(rows)
 
     @property
     def work_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._ws)
 
-    def update(self, g: torch.Tensor, h0: int, h1: int, step: int, clip: float, hyper, outs):
-        """AdamW step ``step`` on host range [h0, h1) with gradient chunk g (clipped by ``clip`` in place);
-        ``hyper``: (lr, weight_decay) per group; the new weights, in each output's dtype, into ``outs``
-        (``(..., chunk_off, view)`` tuples whose views cover [chunk_off, chunk_off + len) of the chunk)."""
+    def update(self, g: torch.Tensor, h0: int, h1: int, step: int, clip: float, hyper, outs, pieces=None):
+        """AdamW step ``step`` on host range [h0, h1) with gradient chunk g (clipped by ``clip``; in place
+        except with the one-pass kernel); ``hyper``: (lr, weight_decay) per group; the new weights, in each
+        output's dtype, into ``outs`` (``(..., chunk_off, view)`` tuples whose views cover
+        [chunk_off, chunk_off + len) of the chunk). ``pieces``: ``self.pieces(h0, h1, outs)`` if already built."""
         if g.dtype != torch.float32:
             g = g.float()
+        if self.kernel is not None:
+            if pieces is None:
+                pieces = self.pieces(h0, h1, outs)
+            self.kernel.chunk(pieces, h0, h1, g, self.master, self.exp_avg, self.exp_avg_sq,
+                              torch.tensor(hyper, dtype=torch.float64), step, self.beta1, self.beta2, self.eps, clip)
+            return
         if clip != 1.0:
             g.mul_(clip)
         self._step_t.fill_(step)
@@ -199,7 +257,8 @@ class HostStreamAdamW:
     def __init__(self, ddp_chunks, *, lr: float, weight_decay: float = 0.1, clip_grad: float = 1.0,
                  use_distributed_optimizer: bool = False, adam_eps: float = 1e-8, beta1: float = 0.9,
                  beta2: float = 0.95, moments_dtype=torch.bfloat16, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 cpu_block_elems: int = DEFAULT_CPU_BLOCK, num_buffers: int = 2, impl: str = "auto"):
+                 cpu_block_elems: int = DEFAULT_CPU_BLOCK, num_buffers: int = 2, impl: str = "auto",
+                 build_dir: str | None = None):
         from megatron.core import parallel_state as ps
 
         self.chunks = list(ddp_chunks)  # moments_dtype and impl are checked by HostAdamWUpdate
@@ -259,8 +318,10 @@ class HostStreamAdamW:
         self.chunk_elems = max(1024, int(chunk_bytes) // self.grad_dtype.itemsize)
         self.host = HostAdamWUpdate(self.numel, self._group_segments(), moments_dtype=moments_dtype, impl=impl,
                                     beta1=self.beta1, beta2=self.beta2, eps=self.eps, cpu_block_elems=cpu_block_elems,
-                                    max_chunk=min(self.chunk_elems, max(self.numel, 1)))
-        self.impl = self.host.impl
+                                    max_chunk=min(self.chunk_elems, max(self.numel, 1)),
+                                    out_dtypes=sorted({r.param_dtype for r in self.regions}, key=str),
+                                    build_dir=build_dir)
+        self.impl, self.impl_note = self.host.impl, self.host.impl_note
         self.master, self.exp_avg, self.exp_avg_sq = self.host.master, self.host.exp_avg, self.host.exp_avg_sq
         self.cuda = any(r.buffer.grad_data.is_cuda for r in self.regions)
         pin = self.cuda
@@ -378,7 +439,7 @@ class HostStreamAdamW:
         redone when any of them moved (``_bound_key``)."""
         stage = self.cuda and not self.distributed
         for c in self.chunks_plan:
-            c.grads, c.outs, c.h2d, c.scatter = [], [], [], []
+            c.grads, c.outs, c.h2d, c.scatter, c.pieces = [], [], [], [], []
             for reg, blo, bhi, off, _ in c.layout:
                 c.grads.append((off, reg.buffer.grad_data[blo:bhi]))
             for s in range(len(self._pbufs)):
@@ -400,6 +461,7 @@ class HostStreamAdamW:
                         dsts.append(p.data.view(-1)[plo + a - pb:plo + z - pb])
                         srcs.append(src[a - blo:z - blo])
                 c.outs.append(outs)
+                c.pieces.append(self.host.pieces(c.h0, c.h1, outs) if self.host.kernel is not None else None)
                 c.h2d.append(h2d)
                 c.scatter.append([(d, s) for d, s in groups.values() if d])
         self._bound = self._bound_key()
@@ -513,7 +575,7 @@ class HostStreamAdamW:
                 for off, src in c.grads:
                     g[off:off + src.numel()].copy_(src)
                 t1 = clock()
-                self.host.update(g[:c.h1 - c.h0], c.h0, c.h1, self.step_count, clip, hyper, c.outs[0])
+                self.host.update(g[:c.h1 - c.h0], c.h0, c.h1, self.step_count, clip, hyper, c.outs[0], c.pieces[0])
                 t2 = clock()
                 self._write_chunk(c, 0)
                 t["issue_s"] += (t1 - t0) + clock() - t2
@@ -546,7 +608,8 @@ class HostStreamAdamW:
             if h2d_ev[s] is not None:
                 h2d_ev[s].synchronize()   # the pinned output slot is free again
             t3 = clock()
-            self.host.update(self._gbufs[s][:c.h1 - c.h0], c.h0, c.h1, self.step_count, clip, hyper, c.outs[s])
+            self.host.update(self._gbufs[s][:c.h1 - c.h0], c.h0, c.h1, self.step_count, clip, hyper, c.outs[s],
+                             c.pieces[s])
             t4 = clock()
             with torch.cuda.stream(self._h2d):
                 self._write_chunk(c, s)
@@ -633,7 +696,7 @@ def build_host_stream_optimizer(ddp_chunks, *, lr: float, weight_decay: float = 
     """The host-streamed AdamW for megatron-DDP-wrapped model chunks (``runtime.wrap_ddp``), with the
     arguments of ``runtime.build_optimizer``. ``bf16`` is accepted for symmetry: the master is fp32 and the
     parameters keep their own dtype either way. Extra keywords: ``cpu_block_elems``, ``num_buffers``,
-    ``impl`` ("auto" | "fused" | "torch")."""
+    ``impl`` ("auto" | "onepass" | "fused" | "torch"), ``build_dir`` (where the one-pass kernel is built)."""
     del bf16
     return HostStreamAdamW(ddp_chunks, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                            use_distributed_optimizer=use_distributed_optimizer, adam_eps=adam_eps, beta1=beta1,

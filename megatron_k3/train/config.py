@@ -91,6 +91,11 @@ class OptimSection:
     offload_chunk_mb: int = F(32, "host-stream: MiB of fp32 gradient per streamed chunk (the pinned host buffers "
                                   "are offload-buffers x 2 x this, fixed, not per parameter)")
     offload_buffers: int = F(2, "host-stream: chunk buffers in flight (>= 2: one copied while the CPU updates another)")
+    offload_update: str = F("auto", "host-stream update kernel: onepass = megatron_k3/optim/host_adamw.c (one pass "
+                                    "over the state, built with the system C compiler, checked bit for bit against "
+                                    "torch's fused CPU AdamW before use; an error if it cannot be); fused / torch: "
+                                    "torch's CPU kernels; auto = onepass where it builds and passes, else fused",
+                            choices=("auto", "onepass", "fused", "torch"))
     lr: float = F(3e-3, "peak learning rate")
     min_lr: float = F(3e-4, "final learning rate of the decay")
     lr_warmup_fraction: float = F(0.05, "warmup steps = fraction x train iters, rounded, at least 1 when > 0")

@@ -426,7 +426,8 @@ class Trainer:
                 use_distributed_optimizer=p.use_distributed_optimizer, bf16=bf16, adam_eps=o.adam_eps,
                 beta1=o.adam_beta1, beta2=o.adam_beta2,
                 moments_dtype=torch.bfloat16 if o.offload_moments_dtype == "bf16" else torch.float32,
-                chunk_bytes=o.offload_chunk_mb << 20, num_buffers=o.offload_buffers)
+                chunk_bytes=o.offload_chunk_mb << 20, num_buffers=o.offload_buffers, impl=o.offload_update,
+                build_dir=os.path.join(self.kernel_cache, "host") if getattr(self, "kernel_cache", None) else None)
         from ..parallel.runtime import build_optimizer
 
         return build_optimizer(self.ddp, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,

@@ -26,6 +26,7 @@ CASES = {
     "dp1-fp32-torch": (1, False, False, "torch", "fp32", "lockstep"),
     "dp1-bf16-fused": (1, False, True, "fused", "fp32", "lockstep"),
     "dp1-bf16-torch-bf16moments": (1, False, True, "torch", "bf16", "lockstep"),
+    "dp1-bf16-onepass-bf16moments": (1, False, True, "onepass", "bf16", "lockstep"),
     "dp2-fp32-distopt-torch": (2, True, False, "torch", "fp32", "lockstep"),
     "dp2-bf16-distopt-fused": (2, True, True, "fused", "fp32", "lockstep"),
     "dp2-fp32-distopt-free": (2, True, False, "torch", "fp32", "free"),
@@ -171,6 +172,7 @@ def _worker(rank, world, port, out_path, cases, steps, chunk_bytes):
         owned = sum(p.numel() for p in params_b) / (world if distopt else 1)
         errs["host_state_bytes_per_param"] = opt_b.state_bytes / owned
         errs["chunks_per_step"] = -(-opt_b.numel // opt_b.chunk_elems)
+        errs["impl"] = opt_b.impl
         # checkpoint hooks: a fresh model + optimizer loaded from B's param_states() continues identically
         states = opt_b.param_states()
         chunks_c, tconfig_c = build_model_chunks(cfg, layout, params_dtype=dtype, device=device)

@@ -25,7 +25,8 @@ def _exact(d):
 def test_single_rank_equals_megatron_optimizer(root, tmp_path):
     """FP32Optimizer: bit-identical (impl="torch"); Float16 (bf16 model, fused CPU kernel): fp32 round-off;
     bf16 moments: 8 host bytes per parameter and bf16-rounding-sized differences."""
-    d = _check(root, tmp_path, 1, ["dp1-fp32-torch", "dp1-bf16-fused", "dp1-bf16-torch-bf16moments"])
+    d = _check(root, tmp_path, 1, ["dp1-fp32-torch", "dp1-bf16-fused", "dp1-bf16-torch-bf16moments",
+                                   "dp1-bf16-onepass-bf16moments"])
     _exact(d["dp1-fp32-torch"])
     assert d["dp1-fp32-torch"]["params_moved_before_roundtrip_step"]  # the plans rebound to moved parameters
     assert d["dp1-fp32-torch"]["chunks_per_step"] > 10  # the state really is streamed in many chunks
@@ -39,6 +40,9 @@ def test_single_rank_equals_megatron_optimizer(root, tmp_path):
     assert f["host_state_bytes_per_param"] == 12.0
     assert b["master"] < 5e-3 and b["exp_avg"] < 2e-2    # measured: 4.5e-4, 3.7e-3 (bf16 moments)
     assert b["roundtrip_max_abs_diff"] == 0.0
+    o = d["dp1-bf16-onepass-bf16moments"]  # the one-pass C kernel (the stream's default where it builds)
+    assert o["impl"] == "onepass" and o["host_state_bytes_per_param"] == 8.0
+    assert o["master"] < 5e-3 and o["exp_avg"] < 2e-2 and o["roundtrip_max_abs_diff"] == 0.0
 
 
 def test_dp2_equals_megatron_distributed_optimizer(root, tmp_path):
