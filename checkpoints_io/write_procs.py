@@ -259,11 +259,11 @@ def pooled(writer, pool: WriterPool, kind: str, limit_bytes_per_s: float = 0.0, 
         return jobs
 
     def _collect(results, final_index=None):
+        import dataclasses
+
         res = []
         for wrs, digests, span in results:
             if final_index is not None:
-                import dataclasses
-
                 wrs = [dataclasses.replace(r, index=final_index[(r.index.fqn, r.index.offset)]) for r in wrs]
             res += wrs
             writer.fs.digests.update(digests)
@@ -284,9 +284,9 @@ def pooled(writer, pool: WriterPool, kind: str, limit_bytes_per_s: float = 0.0, 
         def prepare_local_plan(plan):
             plan = base_prepare(plan)
             try:
-                files = [(writer.fs.concat_path(writer.path, f"__{rank}_{i}{F.DEFAULT_SUFFIX}"),
-                          f"__{rank}_{i}{F.DEFAULT_SUFFIX}", bucket)
-                         for i, bucket in enumerate(F._split_by_size_and_type(writer.thread_count, plan.items))]
+                buckets = F._split_by_size_and_type(writer.thread_count, plan.items)
+                names = [f"__{rank}_{i}{F.DEFAULT_SUFFIX}" for i in range(len(buckets))]
+                files = [(writer.fs.concat_path(writer.path, n), n, b) for n, b in zip(names, buckets)]
                 jobs = _jobs(files, planner)
             except Exception:  # noqa: BLE001  (an optimisation only: write_data writes the final plan as usual)
                 return plan
