@@ -101,15 +101,22 @@ def test_bench_checkpoint_trainer_smoke(root, tmp_path):
 
 def test_bench_offload_host_smoke(root, tmp_path):
     """benchmarks/bench_offload_host.py: the offload's host update alone at several block sizes; every block size
-    gives the same bits as the first (the update is element-wise), both impls, bf16 and fp32 moments."""
+    gives the same bits as the first (the update is element-wise), the three impls (the one-pass kernel has no
+    blocks: timed once), bf16 and fp32 moments; the torch impls are compared with the one-pass kernel."""
     out = tmp_path / "o.json"
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_offload_host.py"), "--params", "3e6",
                         "--blocks", "1048576,4096", "--moments", "bf16,fp32", "--steps", "2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="2"))  # 2 threads: see below
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.load(open(out))
     assert {(x["impl"], x["moments"], x["cpu_block"]) for x in rep["runs"]} == {
-        (i, m, b) for i in ("fused", "torch") for m in ("bfloat16", "float32") for b in (1048576, 4096)}
+        (i, m, b) for i in ("fused", "torch") for m in ("bfloat16", "float32") for b in (1048576, 4096)} | {
+        ("onepass", m, 1048576) for m in ("bfloat16", "float32")}
+    # the fused kernel's bits equal the one-pass kernel's outside its scalar tails (none here: 1M-element blocks
+    # and 3e6 elements split evenly over two threads' 16-element shares)
+    fused = [x for x in rep["runs"] if x["impl"] == "fused" and x["cpu_block"] == 1048576]
+    assert [x["elements_differing_from_onepass"] for x in fused] == [{"master": 0, "exp_avg": 0, "exp_avg_sq": 0}] * 2
     assert [x["identical_to_first_block"] for x in rep["runs"] if x["cpu_block"] == 4096] == [True] * 4
     assert all(x["G_params_per_s"] > 0 and len(x["seconds"]) == 2 for x in rep["runs"])
     assert rep["bandwidth"]["copy_GB_per_s"] > 0 and rep["best"]["G_params_per_s"] > 0
