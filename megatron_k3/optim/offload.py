@@ -127,9 +127,13 @@ def _fused_adamw_available() -> bool:
 
 class HostAdamWUpdate:
     """The host half of the stream: AdamW on ranges of flat host state (fp32 master, moments in
-    ``moments_dtype``), one gradient chunk at a time, with the updated weights cast into output views while
-    each ``cpu_block`` of elements is in cache. Element-wise, so the block size changes speed, never bits.
-    ``segments``: (lo, hi, group) ranges covering the state, ``group`` indexing the per-step (lr, wd) list.
+    ``moments_dtype``), one gradient chunk at a time, with the updated weights cast into output views.
+    ``impl``: "onepass" (``host_adamw.c``: one sweep per chunk; its bits do not depend on chunk, block or
+    thread layout), "fused" / "torch" (torch's kernels on fp32 working copies of the moments, each ``cpu_block``
+    of elements while in cache; element-wise, but torch's fused kernel rounds ``exp_avg_sq`` differently in the
+    scalar tail of each thread's share, module docstring), "auto" (onepass where it builds and passes its
+    self-check, else fused; ``impl_note`` says why). ``segments``: (lo, hi, group) ranges covering the state,
+    ``group`` indexing the per-step (lr, wd) list. ``out_dtypes``: the parameter dtypes the outputs will have.
     ``HostStreamAdamW`` owns one; ``benchmarks/bench_offload_host.py`` times it alone on a host."""
 
     def __init__(self, numel: int, segments, *, moments_dtype=torch.bfloat16, impl: str = "auto",
