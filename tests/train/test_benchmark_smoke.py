@@ -231,3 +231,35 @@ def test_bench_startup_smoke(root, tmp_path):
         assert st["build_s"] > 0 and st["first_step_s"] > 0 and st["data_s"] >= 0 and st["distributed_init_s"] > 0
         assert set(j["cache_files_added"]) == {"triton", "inductor"}
     assert rep["summary"]["startup_s"] == [j["startup"]["startup_s"] for j in rep["jobs"]]
+
+
+def test_bench_gemm_fp8_math_and_refusal(root, tmp_path):
+    """benchmarks/bench_gemm_fp8.py (issue #33's GEMM table): its FP8 cases compute the GEMMs they are named
+    after (torch._scaled_mm runs on the CPU too: relative error at e4m3's ~3% level, a wrong operand layout or
+    scale would give ~100%), and on a machine without an FP8 GPU it writes its refusal and exits 2."""
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import bench_gemm_fp8 as b
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    dy = torch.randn(64, 48, dtype=torch.bfloat16)
+    refs = (x.float() @ w.float().t(), dy.float() @ w.float(), dy.float().t() @ x.float())
+
+    def rel(a, r):
+        return float((a.float() - r).norm() / r.norm())
+
+    for got, ref in zip(b.rowwise_fwd_bwd(x, w, dy), refs):
+        assert got.shape == ref.shape and rel(got, ref) < 0.06, rel(got, ref)
+    cases = b.gemm_cases(64, 48, 32, "cpu")
+    ref = cases["bf16"]().float()
+    for name in ("scaled_mm_tensorwise", "scaled_mm_rowwise"):
+        assert rel(cases[name](), ref) < 0.06, name
+    if not torch.cuda.is_available():
+        out = tmp_path / "g.json"
+        r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_gemm_fp8.py"), "--out", str(out)],
+                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+        assert r.returncode == 2 and "compute capability" in json.load(open(out))["error"], r.stderr[-500:]

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""FP8 GEMMs on this GPU, one table per run: what the chip does against what the FP8 training paths get.
+
+    source .gpu/bin/on_device.sh && python3 benchmarks/bench_gemm_fp8.py --out $OUT/gemm_fp8.json      # GPU
+
+Issue #33 item 1: Transformer Engine's FP8 Linear ran at 427-568 TFLOP/s fwd+bwd on the H200 (2026-11-30)
+where a plain ``torch._scaled_mm`` reached 1257. This script measures, for each ``--shapes`` entry M,N,K
+(tokens x out features x in features; default: the 8192x4096x4096 of that measurement and two K3 shapes),
+in one process and with CUDA events (median of ``--iters`` after ``--warmup``):
+
+GEMM only (operands already in their dtype):
+- ``bf16``: ``x @ w.T`` in bf16;
+- ``scaled_mm_tensorwise``: ``torch._scaled_mm`` e4m3 x e4m3 -> bf16, one fp32 scale per operand;
+- ``scaled_mm_rowwise``: the same with one scale per row of x and per row of w (the layout torchao's
+  rowwise float8 training uses).
+
+Linear forward + backward (the three GEMMs of training, dgrad and wgrad included, and every quantisation,
+transpose and amax the recipe needs):
+- ``torch_bf16``: ``torch.nn.functional.linear`` in bf16 with autograd;
+- ``scaled_mm_rowwise_fwd_bwd``: the three GEMMs through ``torch._scaled_mm`` with rowwise e4m3 inputs,
+  the quantisation (amax, scale, cast, the transposed copies the backward GEMMs need) timed with them: what a
+  rowwise FP8 Linear costs when its kernels are torch's own;
+- ``te_bf16`` and ``te_<recipe>`` for each ``--te-recipes`` entry (delayed, current, blockwise, mxfp8):
+  ``transformer_engine.pytorch.Linear`` under ``fp8_autocast`` with that recipe; a recipe the GPU or the TE
+  build refuses is recorded with its error (MXFP8 needs compute capability 10.0).
+
+TFLOP/s count 2*M*N*K per GEMM (x3 for fwd+bwd). The JSON also records the GPU, torch, CUDA, TE and the
+cuBLAS / cuBLASLt libraries this process mapped (``/proc/self/maps``), because which cuBLASLt TE loads is one
+of the causes the issue asks about. Without a CUDA device with FP8 (compute capability >= 8.9) the script
+writes its refusal into the JSON and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+E4M3 = getattr(torch, "float8_e4m3fn", None)
+DEFAULT_SHAPES = "8192,4096,4096;16384,4096,11264;16384,11264,4096"
+
+
+def mapped_libraries(*needles: str) -> list:
+    """Shared objects of this process whose path contains one of ``needles`` (Linux /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if any(n in os.path.basename(p) for n in needles))
+
+
+def timed(fn, warmup: int, iters: int) -> float:
+    """Median seconds of ``fn()`` over ``iters`` calls, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def quantize_rowwise(t: torch.Tensor):
+    """e4m3 copy of a 2-D tensor with one fp32 scale per row (amax / 448), and the per-row inverse scales
+    ``_scaled_mm`` multiplies back."""
+    amax = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    scale = 448.0 / amax
+    return (t.float() * scale).to(E4M3), scale.reciprocal()
+
+
+def quantize_tensorwise(t: torch.Tensor):
+    amax = t.abs().amax().float().clamp(min=1e-12)
+    scale = 448.0 / amax
+    return (t.float() * scale).to(E4M3), scale.reciprocal()
+
+
+def gemm_cases(M: int, N: int, K: int, dev) -> dict:
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+    xq_t, sx_t = quantize_tensorwise(x)
+    wq_t, sw_t = quantize_tensorwise(w)
+    xq_r, sx_r = quantize_rowwise(x)
+    wq_r, sw_r = quantize_rowwise(w)
+    return {
+        "bf16": lambda: x @ w.t(),
+        # _scaled_mm wants the second operand column-major: w (N x K, row-major) transposed is exactly that
+        "scaled_mm_tensorwise": lambda: torch._scaled_mm(xq_t, wq_t.t(), scale_a=sx_t, scale_b=sw_t,
+                                                         out_dtype=torch.bfloat16),
+        "scaled_mm_rowwise": lambda: torch._scaled_mm(xq_r, wq_r.t(), scale_a=sx_r, scale_b=sw_r.t(),
+                                                      out_dtype=torch.bfloat16),
+    }
+
+
+def rowwise_fwd_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
+    """The three GEMMs of a Linear's training step with rowwise e4m3 operands, quantisation included:
+    y = x w^T (rows of x, rows of w), dx = dy w (rows of dy, columns of w), dw = dy^T x (columns of dy and x)."""
+    xq, sx = quantize_rowwise(x)
+    wq, sw = quantize_rowwise(w)
+    y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+    dyq, sdy = quantize_rowwise(dy)
+    wtq, swt = quantize_rowwise(w.t().contiguous())          # w's columns as rows
+    dx = torch._scaled_mm(dyq, wtq.t(), scale_a=sdy, scale_b=swt.t(), out_dtype=torch.bfloat16)
+    dytq, sdyt = quantize_rowwise(dy.t().contiguous())       # dy's columns as rows
+    xtq, sxt = quantize_rowwise(x.t().contiguous())
+    dw = torch._scaled_mm(dytq, xtq.t(), scale_a=sdyt, scale_b=sxt.t(), out_dtype=torch.bfloat16)
+    return y, dx, dw
+
+
+def linear_cases(M: int, N: int, K: int, dev, te_recipes) -> tuple[dict, dict]:
+    """fwd+bwd closures, and the errors of the cases that could not be set up."""
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+    cases, errors = {}, {}
+
+    def torch_bf16():
+        torch.nn.functional.linear(x, w).backward(dy)
+
+    cases["torch_bf16"] = torch_bf16
+    cases["scaled_mm_rowwise_fwd_bwd"] = lambda: rowwise_fwd_bwd(x.detach(), w.detach(), dy)
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe as te_recipe
+    except Exception as e:  # noqa: BLE001  (TE absent or broken: recorded, the rest still runs)
+        errors["te"] = f"{type(e).__name__}: {e}"
+        return cases, errors
+    lin = te.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=dev)
+    xt = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def te_run(rec):
+        def f():
+            if rec is None:
+                lin(xt).backward(dy)
+            else:
+                with te.fp8_autocast(enabled=True, fp8_recipe=rec):
+                    y = lin(xt)
+                y.backward(dy)
+        return f
+
+    cases["te_bf16"] = te_run(None)
+    makers = {"delayed": lambda: te_recipe.DelayedScaling(),
+              "current": lambda: te_recipe.Float8CurrentScaling(),
+              "blockwise": lambda: te_recipe.Float8BlockScaling(),
+              "mxfp8": lambda: te_recipe.MXFP8BlockScaling()}
+    for name in te_recipes:
+        try:
+            rec = makers[name]()
+            f = te_run(rec)
+            f()  # a recipe the GPU or this TE build refuses raises here
+            cases[f"te_{name}"] = f
+        except Exception as e:  # noqa: BLE001
+            errors[f"te_{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return cases, errors
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="';'-separated M,N,K (tokens, out, in features)")
+    ap.add_argument("--te-recipes", default="delayed,current,blockwise,mxfp8",
+                    help="comma list of delayed, current, blockwise, mxfp8 (empty: no TE recipes)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None, help="JSON path")
+    a = ap.parse_args()
+    try:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";") if s.strip()]
+        assert shapes and all(len(s) == 3 and min(s) > 0 for s in shapes)
+    except (ValueError, AssertionError):
+        ap.error(f"--shapes takes ';'-separated M,N,K triples of positive integers, not {a.shapes!r}")
+    recipes = [r for r in a.te_recipes.split(",") if r]
+    bad = [r for r in recipes if r not in ("delayed", "current", "blockwise", "mxfp8")]
+    if bad:
+        ap.error(f"--te-recipes: unknown {bad} (delayed, current, blockwise, mxfp8)")
+    rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "shapes": [list(s) for s in shapes]}
+
+    def dump():
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rep, f, indent=1)
+
+    cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if cc is None or cc < (8, 9) or E4M3 is None:
+        rep["error"] = (f"needs a CUDA device with FP8 (compute capability >= 8.9) and torch.float8_e4m3fn; "
+                        f"this process has {'no CUDA device' if cc is None else f'compute capability {cc}'}")
+        dump()
+        print(f"error: {rep['error']}", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    rep["device"] = torch.cuda.get_device_name()
+    rep["rows"] = []
+    for M, N, K in shapes:
+        flops = 2 * M * N * K
+        row = {"M": M, "N": N, "K": K, "gemm_tflops": {}, "linear_fwd_bwd_tflops": {}}
+        for name, fn in gemm_cases(M, N, K, dev).items():
+            row["gemm_tflops"][name] = round(flops / timed(fn, a.warmup, a.iters) / 1e12, 1)
+        cases, errors = linear_cases(M, N, K, dev, recipes)
+        for name, fn in cases.items():
+            row["linear_fwd_bwd_tflops"][name] = round(3 * flops / timed(fn, a.warmup, a.iters) / 1e12, 1)
+        row["errors"] = errors
+        rep["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        dump()
+    try:
+        import transformer_engine
+
+        rep["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        rep["transformer_engine"] = f"not importable: {type(e).__name__}"
+    rep["libraries"] = mapped_libraries("libcublas", "libcublasLt", "libtransformer_engine", "libcudnn")
+    dump()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
