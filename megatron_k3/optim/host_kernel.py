@@ -94,8 +94,11 @@ class OnePassAdamW:
         self.num_threads = int(num_threads or torch.get_num_threads())
 
     @staticmethod
-    def pieces(rows) -> torch.Tensor:
-        """rows: (a, z, group, out_kind, out_ptr) host ranges of one chunk, in order."""
+    def pieces(rows, h0: int | None = None, h1: int | None = None) -> torch.Tensor:
+        """rows: (a, z, group, out_kind, out_ptr) host ranges of one chunk [h0, h1), in order (checked here,
+        once, when h0 and h1 are given: the kernel trusts them every step)."""
+        if h0 is not None and not all(h0 <= r[0] <= r[1] <= h1 and r[3] in (0, 1, NO_OUTPUT) for r in rows):
+            raise ValueError(f"pieces outside the chunk [{h0}, {h1}) or of an unknown output kind: {rows}")
         t = torch.tensor([list(map(int, r)) for r in rows] or [[0, 0, 0, NO_OUTPUT, 0]], dtype=torch.int64)
         return t if rows else t[:0]
 
@@ -104,6 +107,10 @@ class OnePassAdamW:
               beta2: float, eps: float, clip: float):
         """hyper: float64 [groups, 2] (lr, wd). g: the chunk's fp32 gradient (g[0] is element h0)."""
         assert g.dtype == torch.float32 and master.dtype == torch.float32 and exp_avg.dtype == exp_avg_sq.dtype
+        # the C side trusts these bounds: check them here (raw pointers below)
+        assert 0 <= h0 <= h1 <= master.numel() == exp_avg.numel() == exp_avg_sq.numel() and g.numel() >= h1 - h0
+        assert all(t.is_contiguous() and t.device.type == "cpu" for t in (g, master, exp_avg, exp_avg_sq, pieces))
+        assert pieces.dtype == torch.int64 and pieces.dim() == 2 and pieces.shape[1] == 5  # rows: see ``pieces``
         rc = self._f(pieces.data_ptr(), pieces.shape[0], h0, h1, g.data_ptr(), master.data_ptr(),
                      exp_avg.data_ptr(), exp_avg_sq.data_ptr(), int(exp_avg.dtype == torch.bfloat16),
                      hyper.data_ptr(), float(step), beta1, beta2, eps, float(clip), self.num_threads)

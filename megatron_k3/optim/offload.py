@@ -196,7 +196,7 @@ class HostAdamWUpdate:
                 pos = y
             if pos < z:
                 rows.append((pos, z, gi, NO_OUTPUT, 0))
-        return OnePassAdamW.pieces(rows)
+        return OnePassAdamW.pieces(rows, h0, h1)
 
     @property
     def work_bytes(self) -> int:
