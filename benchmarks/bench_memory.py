@@ -266,6 +266,18 @@ def _offload_worker(mode, n_params, steps, out_path, chunk_bytes):
     ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     for b in ddp.buffers:
         b.grad_data.normal_(0, 1e-3)
+    kernel_load = None
+    if mode.startswith("host-stream"):
+        # the one-pass update kernel is a shared library with its own OpenMP runtime, loaded and bit-checked
+        # once per process: a fixed cost, measured here on its own so the window below holds the optimizer
+        from megatron_k3.optim import host_kernel
+
+        r0 = proc_status_bytes("VmRSS")
+        try:
+            host_kernel.load()
+            kernel_load = proc_status_bytes("VmRSS") - r0
+        except host_kernel.KernelUnavailable as e:
+            kernel_load = f"not used: {e}"
     gc.collect()
     _sync()
     rss0 = proc_status_bytes("VmRSS")
@@ -337,7 +349,7 @@ def _offload_worker(mode, n_params, steps, out_path, chunk_bytes):
            "host_bytes_per_param_peak": (proc_status_bytes("VmHWM") - rss0) / n if peak_reset else None,
            "device_bytes_per_param_end": (torch.cuda.memory_allocated() - dev0) / n if cuda else None,
            "device_bytes_per_param_peak": (torch.cuda.max_memory_allocated() - dev0) / n if cuda else None,
-           **extra}
+           "host_kernel_load_rss_bytes": kernel_load, **extra}
     if "fixed_buffer_bytes" in extra:
         rec["host_bytes_per_param_peak_minus_fixed_buffer"] = (
             (rec["host_bytes_per_param_peak"] or rec["host_bytes_per_param_end"]) * n - extra["fixed_buffer_bytes"]) / n

@@ -63,7 +63,8 @@ def test_dp2_equals_megatron_distributed_optimizer(root, tmp_path):
 
 def test_host_memory_growth_at_most_8_bytes_per_param_plus_buffer(root, tmp_path):
     """16M bf16 parameters: host memory (VmHWM) grows by <= 8 B/param + the fixed chunk buffer, where
-    megatron's Adam (here on the host as the CPU is the device) takes >= 12 B/param."""
+    megatron's Adam (here on the host as the CPU is the device) takes >= 12 B/param. The one-pass update
+    kernel's one-time load (library, OpenMP runtime, bit check) is measured on its own and bounded."""
     out = tmp_path / "mem.json"
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_memory.py"), "--parts", "offload",
                         "--offload-params", "16e6", "--offload-modes", "host-stream,device-adam",
@@ -78,5 +79,8 @@ def test_host_memory_growth_at_most_8_bytes_per_param_plus_buffer(root, tmp_path
     slack = 4 << 20  # allocator / interpreter noise
     assert grown <= 8 * n + hs["fixed_buffer_bytes"] + slack, (grown / n, hs)
     assert hs["state_bytes"] == 8 * n
+    # the one-pass update kernel's library, OpenMP runtime and bit check, loaded once per process before the
+    # window above (measured 1-16 MB): bounded and reported, not per parameter
+    assert hs["impl"] == "onepass" and 0 <= hs["host_kernel_load_rss_bytes"] < 32 << 20, hs
     assert grown >= 8 * n * 0.95  # the state is really resident (the measurement sees it)
     assert dev["host_bytes_per_param_end"] >= 12 * 0.95
