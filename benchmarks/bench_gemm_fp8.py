@@ -70,25 +70,23 @@ def timed(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def quantize(t: torch.Tensor, rowwise: bool):
+    """e4m3 copy of a 2-D tensor scaled by 448 / amax (one fp32 scale per row, or one for the tensor), and the
+    inverse scales ``_scaled_mm`` multiplies back."""
+    amax = (t.abs().amax(dim=1, keepdim=True) if rowwise else t.abs().amax()).float().clamp(min=1e-12)
+    scale = 448.0 / amax
+    return (t.float() * scale).to(E4M3), scale.reciprocal()
+
+
 def quantize_rowwise(t: torch.Tensor):
-    """e4m3 copy of a 2-D tensor with one fp32 scale per row (amax / 448), and the per-row inverse scales
-    ``_scaled_mm`` multiplies back."""
-    amax = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
-    scale = 448.0 / amax
-    return (t.float() * scale).to(E4M3), scale.reciprocal()
-
-
-def quantize_tensorwise(t: torch.Tensor):
-    amax = t.abs().amax().float().clamp(min=1e-12)
-    scale = 448.0 / amax
-    return (t.float() * scale).to(E4M3), scale.reciprocal()
+    return quantize(t, True)
 
 
 def gemm_cases(M: int, N: int, K: int, dev) -> dict:
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-    xq_t, sx_t = quantize_tensorwise(x)
-    wq_t, sw_t = quantize_tensorwise(w)
+    xq_t, sx_t = quantize(x, rowwise=False)
+    wq_t, sw_t = quantize(w, rowwise=False)
     xq_r, sx_r = quantize_rowwise(x)
     wq_r, sw_r = quantize_rowwise(w)
     return {

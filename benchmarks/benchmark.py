@@ -202,7 +202,8 @@ def main():
         "trainer_loop": k3["trainer_loop"],
         "model_flops_per_token": fpt, "mfu_vs_989_tflops": tps * fpt / H200_BF16_DENSE if cuda else None,
         "peak_memory_gib": k3["peak_memory_gib"], "losses": k3["losses"], "breakdown": k3["breakdown"],
-        "optimizer_timings": k3["optimizer_timings"], "optimizer_impl": k3["optimizer_impl"], "baselines": baselines, "transformer_engine": have_te(),
+        "optimizer_timings": k3["optimizer_timings"], "optimizer_impl": k3["optimizer_impl"],
+        "baselines": baselines, "transformer_engine": have_te(),
         "cudnn": _cudnn_report(),
     }
     if k3["trainer_loop"]:
@@ -291,7 +292,8 @@ def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True,
            "layer_graph_replays": replays, "step_times_s": times, "median_step_s": statistics.median(times),
            "losses": losses, "peak_memory_gib": peak, "breakdown": breakdown, "trainer_loop": loop,
            "optimizer_timings": opt_timings or None,
-           "optimizer_impl": {"impl": getattr(trainer.opt, "impl", None), "note": getattr(trainer.opt, "impl_note", None)},
+           "optimizer_impl": {"impl": getattr(trainer.opt, "impl", None),
+                              "note": getattr(trainer.opt, "impl_note", None)},
            "kernels": vars(perf.current()), "batches": batches,
            "data": {"path": trainer.job.data.data_path, "windows": trainer.loader.num_windows}}
     trainer.close(destroy_process_group=False)

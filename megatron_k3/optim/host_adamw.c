@@ -137,5 +137,3 @@ int k3_adamw_chunk(const int64_t *pieces, int64_t npieces, int64_t h0, int64_t h
     }
     return 0;
 }
-
-int k3_adamw_abi(void) { return 1; }

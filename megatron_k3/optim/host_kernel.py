@@ -99,8 +99,7 @@ class OnePassAdamW:
         once, when h0 and h1 are given: the kernel trusts them every step)."""
         if h0 is not None and not all(h0 <= r[0] <= r[1] <= h1 and r[3] in (0, 1, NO_OUTPUT) for r in rows):
             raise ValueError(f"pieces outside the chunk [{h0}, {h1}) or of an unknown output kind: {rows}")
-        t = torch.tensor([list(map(int, r)) for r in rows] or [[0, 0, 0, NO_OUTPUT, 0]], dtype=torch.int64)
-        return t if rows else t[:0]
+        return torch.tensor([list(map(int, r)) for r in rows], dtype=torch.int64).reshape(-1, 5)
 
     def chunk(self, pieces: torch.Tensor, h0: int, h1: int, g: torch.Tensor, master: torch.Tensor,
               exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: torch.Tensor, step: int, beta1: float,

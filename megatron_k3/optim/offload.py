@@ -171,6 +171,7 @@ class HostAdamWUpdate:
         # m, v, denom fp32 working copies (the torch kernels' path; the one-pass kernel needs none)
         self._ws = [] if self.kernel else [torch.empty(nb, dtype=torch.float32) for _ in range(3)]
         self._step_t = torch.zeros((), dtype=torch.float32)
+        self._hyper, self._hyper_t = None, None  # the one-pass kernel's (lr, wd) table, rebuilt when it changes
 
     def pieces(self, h0: int, h1: int, outs) -> torch.Tensor:
         """The one-pass kernel's description of chunk [h0, h1) with outputs ``outs`` (as in ``update``):
@@ -212,8 +213,10 @@ class HostAdamWUpdate:
         if self.kernel is not None:
             if pieces is None:
                 pieces = self.pieces(h0, h1, outs)
-            self.kernel.chunk(pieces, h0, h1, g, self.master, self.exp_avg, self.exp_avg_sq,
-                              torch.tensor(hyper, dtype=torch.float64), step, self.beta1, self.beta2, self.eps, clip)
+            if hyper != self._hyper:  # once per step, not per chunk
+                self._hyper, self._hyper_t = list(hyper), torch.tensor(hyper, dtype=torch.float64).reshape(-1, 2)
+            self.kernel.chunk(pieces, h0, h1, g, self.master, self.exp_avg, self.exp_avg_sq, self._hyper_t, step,
+                              self.beta1, self.beta2, self.eps, clip)
             return
         if clip != 1.0:
             g.mul_(clip)
