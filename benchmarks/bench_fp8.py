@@ -1,54 +1,44 @@
 #!/usr/bin/env python3
-"""FP8 vs bf16 on the same model, data and initial weights, in one process (JSON).
+"""FP8 against bf16 through the trainer: the same model, data, initial weights and flags, one trainer process
+per recipe (JSON).
 
-    python benchmarks/bench_fp8.py --recipes bf16,blockwise,tensorwise,delayed --steps 200 --out R.json   # GPU
-    python benchmarks/bench_fp8.py --smoke      # CPU: k3-tiny, bf16 (fp32 on CPU) + the FP8 refusal messages
+    python benchmarks/bench_fp8.py --recipes bf16,torchao-rowwise,torchao-tensorwise --train-iters 200 \
+        --out R.json [-- any trainer flag]                              # GPU
+    python benchmarks/bench_fp8.py --smoke                              # CPU: k3-tiny, bf16 + the FP8 refusals
 
-For each recipe it builds the megatron K3 model (``--fp8-recipe`` path of the trainer: ``megatron_k3/
-precision.py``), loads the same golden initial weights, and trains ``--steps`` AdamW steps on the same
-batches, one micro-batch per step. The data (``--data``) is by default ``synthetic``: fresh tokens every
-step from a fixed, learnable order-2 source (``synthetic_batches``), so nothing repeats, the loss at step k
-is a held-out loss, and its floor (the source's entropy) is known; ``corpus`` takes random windows of the
-embedded corpus instead (0.5 MB: 200 steps are ~8 epochs, so that loss measures memorisation and varies
-~13% between two identical bf16 runs). A recipe named twice (``bf16,blockwise,bf16``) runs twice; the
-second run is reported as ``bf16#2`` and gives the run-to-run spread the FP8 differences are judged against.
-Per run: median step time after ``--warmup`` steps, tokens/s, the loss curve, the mean loss over the last
-20 steps, and against the first ``bf16``: ``speedup_vs_bf16`` and ``final_loss_rel_diff_vs_bf16``.
-A recipe the machine cannot run is recorded with the trainer's error message. The default model
-(``FP8_MODEL``) is K3 at hidden 4096: 8 layers (KDA and MLA), 32 heads, 16 latent experts top-4, ~1.2B
-parameters, which fits one GPU with AdamW.
+Each recipe runs ``launchers/pretrain_k3.py`` (the trainer users run: ``Trainer.fit`` and its ``train_step``)
+with ``--config configs/k3-h4096.yaml`` (K3 at hidden 4096, 8 layers, 1.24B parameters; micro-batch 8 x 2048
+tokens, one micro-batch a step), ``--bf16``, ``--cuda-graph-impl local`` (``--no-graphs``: eager), the same
+``--seed`` (initial weights and data order) and ``--fp8-recipe`` (``bf16``: none). A recipe named twice
+(``bf16,torchao-rowwise,bf16``) runs twice; the second is reported as ``bf16#2`` and gives the run-to-run
+spread that the FP8 differences are judged against.
+
+Data: a token store written once by this script (``synthetic_store``): windows drawn from a fixed, learnable
+order-2 source p(x_t | x_{t-1}, x_{t-2}) over the 512-token vocabulary, one fresh window per sample, so
+nothing repeats, the loss at step k is a held-out loss, and its floor (the source's entropy, reported) is
+known. (The embedded corpus is 0.5 MB: 200 steps would be ~8 epochs, a memorisation loss that varied ~13%
+between two identical bf16 runs.)
+
+Per recipe, from the trainer's ``metrics.jsonl``: the median ``step_time_s`` after ``--warmup`` steps,
+tokens/s, the loss every 10 steps, the mean loss of the last 20 steps, the device's peak memory
+(``max_memory_allocated_gib``), and against the first ``bf16``: ``speedup_vs_bf16`` and
+``final_loss_rel_diff_vs_bf16``. A recipe the machine cannot run is recorded with the trainer's one-line
+error (exit 2).
 """
 import argparse
 import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
+import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-# K3 at hidden 4096 on top of k3-tiny (whose 512-token tokenizer ships with the embedded corpus)
-FP8_MODEL = dict(hidden_size=4096, num_hidden_layers=8, kda_num_heads=32, kda_head_dim=128, kda_chunk_size=64,
-                 num_attention_heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                 qk_rope_head_dim=64, v_head_dim=128, intermediate_size=11264, num_experts=16,
-                 num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=1024,
-                 routed_expert_hidden_size=1024, attn_res_block_size=4)
-
-
-def windows(store: str, n: int, B: int, S: int, seed: int = 0):
-    """``n`` batches (tokens, labels) [B, S] of random windows of the token store (the same for every recipe)."""
-    from megatron_k3.data.store import open_store
-
-    tokens, _, manifest = open_store(store)
-    toks = np.asarray(tokens[:]).astype(np.int64)
-    starts = np.random.default_rng(seed).integers(0, len(toks) - S - 1, size=(n, B))
-    out = []
-    for row in starts:
-        w = torch.from_numpy(np.stack([toks[s:s + S + 1] for s in row]))
-        out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
-    return out
+MODEL_CONFIG = os.path.join(ROOT, "configs", "k3-h4096.yaml")
+VOCAB = 512  # k3-tiny's vocabulary, which configs/k3-h4096.yaml keeps
 
 
 def synthetic_batches(vocab: int, n: int, B: int, S: int, device, seed: int = 0, dim: int = 16,
@@ -57,6 +47,8 @@ def synthetic_batches(vocab: int, n: int, B: int, S: int, device, seed: int = 0,
     V[x_{t-2}]) W / sqrt(dim)) with U, V [vocab, dim] and W [dim, vocab] fixed N(0, 1) draws (``seed``), sampled
     by the Gumbel-max trick on ``device``. Returns the batches and the source's entropy in nats per token,
     averaged over the sampled positions (the loss a perfect model reaches)."""
+    import torch
+
     g = torch.Generator(device=device).manual_seed(seed)
     U, V, W = (torch.randn(*shape, generator=g, device=device) for shape in ((vocab, dim), (vocab, dim), (dim, vocab)))
     A, C = (sharpness * (M @ W) / dim ** 0.5 for M in (U, V))  # logits from x_{t-1} and from x_{t-2}
@@ -73,112 +65,131 @@ def synthetic_batches(vocab: int, n: int, B: int, S: int, device, seed: int = 0,
     return [(w[i, :, :-1].contiguous(), w[i, :, 1:].contiguous()) for i in range(n)], entropy
 
 
-def run_recipe(recipe, cfg, batches, device, dtype, warmup, lr):
-    from benchmark import megatron_step, time_steps
+def synthetic_store(path: str, windows: int, S: int, seed: int = 0, vocab: int = VOCAB) -> float:
+    """A token store of ``windows`` windows of S + 1 tokens from the order-2 source (one document each, so the
+    trainer's windows are exactly these); returns the source's entropy. Written once: an existing store of
+    the same request is reused (its manifest keeps the request and the entropy)."""
+    import numpy as np
+    import torch
 
-    from megatron_k3.parallel.layout import ParallelLayout
-    from megatron_k3.parallel import adapter
-    from megatron_k3.parallel.runtime import build_model_chunks, build_optimizer, make_forward_step
-    from megatron_k3.parallel.runtime import wrap_ddp
-    from megatron_k3.model import K3ForCausalLM
-    from megatron_k3.parallel.precision import check_fp8_here, resolve
+    from megatron_k3.data.store import StoreWriter, open_store
 
-    fp8 = None if recipe == "bf16" else recipe
-    check_fp8_here(fp8, None)
-    chunks, tconfig = build_model_chunks(cfg, ParallelLayout(), params_dtype=dtype, device=device,
-                                         **resolve(fp8, None))
-    adapter.load_hf_state_dict(chunks[0], K3ForCausalLM(cfg, seed=0).state_dict(), 0)
-    n_te = sum(type(m).__name__ == "TELinear" for m in chunks[0].modules())
-    ddp = wrap_ddp(chunks, tconfig)
-    opt = build_optimizer(ddp, lr=lr, bf16=dtype == torch.bfloat16)
-    B, S = batches[0][0].shape
-    step = megatron_step(ddp, opt, make_forward_step(), B, S)
-    cuda = device.type == "cuda"
-    times, outs, _ = time_steps(step, [[b] for b in batches], device, warmup)  # one micro-batch a step
-    losses = [float(o[0]["lm_sum"]) / float(o[0]["n"]) for o in outs]
-    if not all(np.isfinite(losses)):
-        raise FloatingPointError(f"non-finite loss with {recipe}")
+    request = {"windows": windows, "seq_length": S, "seed": seed, "vocab": vocab}
+    if os.path.exists(os.path.join(path, "zarr.json")):
+        _, _, man = open_store(path)
+        src = man["sources"][0]
+        if src.get("request") == request:
+            return src["entropy_nats"]
+        raise SystemExit(f"error: {path} holds another synthetic store ({src.get('request')}); remove it")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batches, entropy = synthetic_batches(vocab, windows, 1, S, device, seed=seed)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    w = StoreWriter(tmp, {"type": "synthetic-order2", "vocab_size": vocab, "sha256": f"synthetic-order2-seed{seed}"})
+    for tokens, labels in batches:
+        w.add(np.concatenate([tokens[0].numpy(), labels[0, -1:].numpy()]).tolist())
+    w.close([{"kind": "synthetic order-2 source (benchmarks/bench_fp8.py)", "request": request,
+              "entropy_nats": entropy}])
+    os.replace(tmp, path)
+    return entropy
+
+
+def run_recipe(recipe: str, args, store: str, run_dir: str, extra: list[str]) -> dict:
+    """One trainer process with ``recipe``; its figures from metrics.jsonl (or its error line)."""
+    cmd = [sys.executable, os.path.join(ROOT, "launchers", "pretrain_k3.py"), "--config", args.config,
+           "--data-path", store, "--run-dir", run_dir, "--train-iters", str(args.train_iters),
+           "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
+           "--seq-length", str(args.seq_length), "--lr", str(args.lr), "--min-lr", str(args.lr),
+           "--lr-warmup-fraction", "0.05", "--lr-decay-style", "constant", "--seed", str(args.seed),
+           "--log-interval", "10", "--wandb-mode", "disabled"]
+    cmd += ["--bf16"] + ([] if (args.no_graphs or args.smoke) else ["--cuda-graph-impl", "local"])
+    if recipe != "bf16":
+        cmd += ["--fp8-recipe", recipe]
+    cmd += extra
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    res = {"command": " ".join(cmd[1:]).replace(ROOT + "/", ""), "wall_s": round(time.time() - t0, 1),
+           "returncode": r.returncode}
+    if r.returncode != 0:
+        lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
+        res["error"] = (lines[-1] if lines else f"exit {r.returncode}")[:600]
+        res["stderr_tail"] = (r.stderr or "")[-3000:]
+        return res
+    recs = [json.loads(ln) for ln in open(os.path.join(run_dir, "metrics.jsonl")) if ln.strip()]
+    recs = [x for x in recs if "step" in x and "loss" in x]
+    losses = [x["loss"] for x in recs]
+    times = [x["step_time_s"] for x in recs[args.warmup:]] or [x["step_time_s"] for x in recs]
     med = statistics.median(times)
-    res = {"median_step_s": med, "tokens_per_s": B * S / med, "te_linear_modules": n_te,
-           "final_loss_mean_last20": float(np.mean(losses[-20:])), "loss_every_10": losses[::10],
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
-    del step, opt, ddp, chunks
+    tokens = args.micro_batch_size * args.seq_length
+    res.update({"steps": len(recs), "median_step_s": med, "tokens_per_s": tokens / med,
+                "first_step_s": recs[0]["step_time_s"], "loss_every_10": losses[::10],
+                "final_loss_mean_last20": statistics.fmean(losses[-20:]),
+                "max_memory_allocated_gib": recs[-1].get("max_memory_allocated_gib")})
     return res
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipes", default="bf16,blockwise,tensorwise,delayed")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--recipes", default="bf16,torchao-rowwise,torchao-tensorwise")
+    ap.add_argument("--train-iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (they still train)")
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--seq-length", type=int, default=2048)
-    ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--data", default="synthetic", choices=["synthetic", "corpus"],
-                    help="fresh tokens from a learnable order-2 source (default) or windows of the embedded corpus")
-    ap.add_argument("--smoke", action="store_true", help="CPU: k3-tiny, 6 steps, fp32")
+    ap.add_argument("--lr", type=float, default=2e-4, help="held constant after a 5%% warm-up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default=MODEL_CONFIG, help="the trainer's --config (the model)")
+    ap.add_argument("--no-graphs", action="store_true", help="eager layers (default: --cuda-graph-impl local)")
+    ap.add_argument("--work", default="/tmp/k3_bench_fp8", help="synthetic store and run directories")
+    ap.add_argument("--smoke", action="store_true", help="CPU: k3-tiny (configs/k3-tiny-cpu.yaml), 6 steps of 2 x 128")
     ap.add_argument("--out", default=None)
+    ap.add_argument("extra", nargs="*", help="after --: more trainer flags, for every recipe")
     args = ap.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29679"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    from benchmark import write_report
-    from megatron.core import parallel_state as ps
-
-    from megatron_k3.config import get_preset
-    from megatron_k3.parallel.layout import ParallelLayout
-    from megatron_k3.parallel.runtime import init_distributed
-    from megatron_k3.train.pretrain import default_data, ensure_default_store
-    from megatron_k3.parallel.precision import te_version
-
     if args.smoke:
-        args.steps, args.warmup, args.micro_batch_size, args.seq_length = 6, 2, 2, 128
-        cfg = get_preset("k3-tiny", seq_length=args.seq_length)
-    else:
-        cfg = get_preset("k3-tiny", seq_length=args.seq_length, **FP8_MODEL)
-    device = init_distributed(ParallelLayout(), seed=0)
-    cuda = device.type == "cuda"
-    entropy = None
-    if args.data == "corpus":
-        store, tok = default_data(cfg)
-        ensure_default_store(store, tok)
-        batches = windows(store, args.steps, args.micro_batch_size, args.seq_length)
-        data = "embedded corpus (data/corpus), random windows, seed 0, the same for every recipe"
-    else:
-        batches, entropy = synthetic_batches(cfg.vocab_size, args.steps, args.micro_batch_size, args.seq_length,
-                                             device)
-        data = ("synthetic order-2 source (synthetic_batches, seed 0): fresh tokens every step, the same for "
-                "every recipe")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    from megatron_k3.plan.model_info import model_info
+        args.train_iters, args.warmup, args.micro_batch_size, args.seq_length = 6, 2, 2, 128
+        args.config = os.path.join(ROOT, "configs", "k3-tiny-cpu.yaml")
+    import torch
 
+    from megatron_k3.parallel.precision import te_version, torchao_version
+
+    cuda = torch.cuda.is_available()
+    os.makedirs(args.work, exist_ok=True)
+    windows = args.train_iters * args.micro_batch_size
+    store = os.path.join(args.work, f"synthetic_{windows}x{args.seq_length + 1}_seed{args.seed}.zarr")
+    entropy = synthetic_store(store, windows, args.seq_length, args.seed)
     rep = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "command": " ".join(["python", "benchmarks/bench_fp8.py"] + sys.argv[1:]),
-           "transformer_engine": te_version(), "dtype": str(dtype).replace("torch.", ""),
-           "model": cfg.to_dict(), "params_total": model_info(cfg)["total_params"],
-           "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length, "steps": args.steps,
-           "data": data, "source_entropy_nats": entropy, "recipes": {}}
+           "torch": torch.__version__, "transformer_engine": te_version(), "torchao": torchao_version(),
+           "model_config": os.path.relpath(args.config, ROOT), "micro_batch_size": args.micro_batch_size,
+           "seq_length": args.seq_length, "train_iters": args.train_iters, "timed_after_step": args.warmup,
+           "layer_graphs": not (args.no_graphs or args.smoke),
+           "data": "synthetic order-2 source (synthetic_store): fresh windows every step, the same for every recipe",
+           "source_entropy_nats": entropy, "recipes": {}}
     recipes = args.recipes.split(",")
     for i, recipe in enumerate(recipes):
         n = recipes[:i].count(recipe)
         label = recipe if n == 0 else f"{recipe}#{n + 1}"
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            rep["recipes"][label] = run_recipe(recipe, cfg, batches, device, dtype, args.warmup, args.lr)
-        except Exception as e:  # noqa: BLE001 - record (e.g. the refusal of a recipe this GPU cannot run)
-            rep["recipes"][label] = {"error": f"{type(e).__name__}: {e}"[:600]}
-        if args.out:
+        run_dir = os.path.join(args.work, "runs", label.replace("#", "_"))
+        if os.path.isdir(run_dir):
+            import shutil
+
+            shutil.rmtree(run_dir)
+        rep["recipes"][label] = run_recipe(recipe, args, store, run_dir, args.extra)
+        r = rep["recipes"][label]
+        print(f"[bench_fp8] {label}: " + (f"{r['median_step_s']:.4f} s/step, {r['tokens_per_s']:.0f} tokens/s, "
+                                          f"loss(last 20) {r['final_loss_mean_last20']:.4f}, peak "
+                                          f"{r['max_memory_allocated_gib']} GiB" if "error" not in r
+                                          else "error: " + r["error"]), flush=True)
+        base = rep["recipes"].get("bf16", {})
+        for name, x in rep["recipes"].items():
+            if name != "bf16" and "median_step_s" in x and "median_step_s" in base:
+                x["speedup_vs_bf16"] = base["median_step_s"] / x["median_step_s"]
+                x["final_loss_rel_diff_vs_bf16"] = x["final_loss_mean_last20"] / base["final_loss_mean_last20"] - 1
+        if args.out:  # after every recipe: a later timeout keeps what finished
             with open(args.out, "w") as f:
                 json.dump(rep, f, indent=1)
-    base = rep["recipes"].get("bf16", {})
-    for name, r in rep["recipes"].items():
-        if name != "bf16" and "median_step_s" in r and "median_step_s" in base:
-            r["speedup_vs_bf16"] = base["median_step_s"] / r["median_step_s"]
-            r["final_loss_rel_diff_vs_bf16"] = (r["final_loss_mean_last20"] / base["final_loss_mean_last20"]) - 1
-    write_report(rep, args.out)
-    ps.destroy_model_parallel()
+    print(json.dumps({k: v for k, v in rep.items() if k != "recipes"}, indent=1))
+    for name, x in rep["recipes"].items():
+        print(name, json.dumps({k: v for k, v in x.items() if k not in ("loss_every_10", "stderr_tail")}))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ transpose and amax the recipe needs):
 - ``scaled_mm_rowwise_fwd_bwd``: the three GEMMs through ``torch._scaled_mm`` with rowwise e4m3 inputs,
   the quantisation (amax, scale, cast, the transposed copies the backward GEMMs need) timed with them: what a
   rowwise FP8 Linear costs when its kernels are torch's own;
+- ``torchao-<recipe>_compiled`` / ``_eager``: the trainer's torchao path (``parallel/precision.py:
+  float8_gemm``, torchao's ``matmul_with_hp_or_float8_args``) for each torchao recipe, its quantisation
+  compiled with the GEMM call as the trainer runs it, and eagerly;
 - ``te_bf16`` and ``te_<recipe>`` for each ``--te-recipes`` entry (delayed, current, blockwise, mxfp8):
   ``transformer_engine.pytorch.Linear`` under ``fp8_autocast`` with that recipe; a recipe the GPU or the TE
   build refuses is recorded with its error (MXFP8 needs compute capability 10.0).
@@ -126,6 +129,25 @@ def linear_cases(M: int, N: int, K: int, dev, te_recipes) -> tuple[dict, dict]:
 
     cases["torch_bf16"] = torch_bf16
     cases["scaled_mm_rowwise_fwd_bwd"] = lambda: rowwise_fwd_bwd(x.detach(), w.detach(), dy)
+    try:  # the trainer's torchao path (parallel/precision.py: float8_gemm), eager and compiled as it runs
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from megatron_k3 import perf
+        from megatron_k3.parallel.precision import TORCHAO_RECIPES, float8_gemm
+
+        def ao(recipe, mode):
+            def f():
+                with perf.using(compile=mode):
+                    y = float8_gemm(x, w, recipe)
+                y.backward(dy)
+            return f
+
+        for recipe in TORCHAO_RECIPES:
+            for mode, tag in (("auto", "compiled"), ("off", "eager")):
+                f = ao(recipe, mode)
+                f()  # compiles here, before the timing
+                cases[f"{recipe}_{tag}"] = f
+    except Exception as e:  # noqa: BLE001  (torchao absent or refused: recorded, the rest still runs)
+        errors["torchao"] = f"{type(e).__name__}: {str(e)[:300]}"
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe as te_recipe
@@ -216,6 +238,12 @@ def main() -> int:
         rep["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
     except Exception as e:  # noqa: BLE001
         rep["transformer_engine"] = f"not importable: {type(e).__name__}"
+    try:
+        import torchao
+
+        rep["torchao"] = getattr(torchao, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        rep["torchao"] = f"not importable: {type(e).__name__}"
     rep["libraries"] = mapped_libraries("libcublas", "libcublasLt", "libtransformer_engine", "libcudnn")
     dump()
     return 0

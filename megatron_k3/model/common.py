@@ -106,8 +106,14 @@ class Linear(nn.Module):
     def reset_parameters(self, gen: torch.Generator | None = None):
         normal_(self.weight, self.init_std, gen)
 
+    fusable = True  # several of one class may run as one GEMM on their concatenated weights (fused_linears)
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """This class's GEMM ``x @ w.T`` (FP8 subclasses: ``parallel/precision.py``)."""
+        return F.linear(x, w)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.gemm(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -37,7 +37,8 @@ Conditions, checked up front by ``check_cuda_graphs`` (a clear error instead of 
   backward, outside the graphs);
 - bf16 weights: in fp32, ``torch._grouped_mm`` takes a fallback that copies the group offsets to the host
   ("Cannot copy between CPU and CUDA tensors during CUDA graph capture", H200, 2026-12-02);
-- no FP8 (Transformer Engine's scaling state is updated by host code around its modules).
+- no Transformer Engine FP8 (its scaling state is updated by host code around its modules); torchao's FP8
+  recipes (`--fp8-recipe torchao-*`) are stateless device code and are captured like the rest.
 A call whose inputs differ from the captured ones (shape, dtype, number of blocks), and every call
 without grad or in eval mode, runs the layer eagerly: the same math, so validation and a short last batch
 stay correct (and eval forwards do not add to the routers' token counts inside a graph).
@@ -95,9 +96,11 @@ def check_cuda_graphs(impl: str, layout, recompute: str = "none", fp8_recipe: st
     if not bf16:
         problems.append("fp32 weights: torch._grouped_mm (the grouped experts) copies its group offsets to the host "
                         "outside bf16, which a capture forbids (add --bf16)")
-    if fp8_recipe:
+    from .precision import is_torchao
+
+    if fp8_recipe and not is_torchao(fp8_recipe):
         problems.append(f"FP8 ({fp8_recipe}): Transformer Engine updates its scaling state in host code around "
-                        "each module")
+                        "each module (torchao's recipes, --fp8-recipe torchao-rowwise, run in the graphs)")
     if problems:
         raise CudaGraphError("--cuda-graph-impl local cannot be used here: " + "; ".join(problems))
 

@@ -91,11 +91,15 @@ def fused_linears(x: torch.Tensor, mods) -> list[torch.Tensor]:
     """``[m(x) for m in mods]`` for bias-free ``Linear`` modules as one GEMM on the concatenated weights
     (megatron's fused QKV, keeping the release's separate parameters): x is read once, its gradient is one
     GEMM instead of one per projection plus the additions of autograd, and the narrow projections (KDA's
-    beta: H outputs) do not run as GEMMs of their own. The outputs are column slices of one tensor. Modules
-    of another type (Transformer Engine's under FP8: ``precision.py``) run one by one."""
-    if not all(type(m) is Linear for m in mods):
+    beta: H outputs) do not run as GEMMs of their own. The outputs are column slices of one tensor. The
+    modules must share one class whose GEMM can be fused (``Linear``; torchao's ``Float8Linear`` of one recipe,
+    whose scales then span the concatenated weight and output gradient: the same recipe, not the bits of six
+    separate FP8 GEMMs); others (Transformer Engine's under FP8: ``precision.py``), or a mix, run one by one."""
+    kind = type(mods[0])
+    if not (issubclass(kind, Linear) and kind.fusable and all(type(m) is kind for m in mods)
+            and len({getattr(m, "fp8_recipe", None) for m in mods}) == 1):
         return [m(x) for m in mods]
-    y = F.linear(x, torch.cat([m.weight for m in mods]))
+    y = mods[0].gemm(x, torch.cat([m.weight for m in mods]))
     return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
 
 

@@ -25,6 +25,24 @@ MoE down/up projections. They call ``transformer_engine.pytorch.Linear`` holding
 bf16 stays: the embedding, the LM head and cross-entropy, the router, the routed experts' grouped GEMMs
 (``torch._grouped_mm``), the attention and KDA cores, norms, Attention Residuals, and the MTP layers.
 Delayed scaling's amax history is not checkpointed (a resume restarts it); the other recipes keep no state.
+
+torchao recipes (``torchao.float8``, the float8 training of the PyTorch ecosystem; no Transformer Engine):
+
+=======================  =============================================  ============================
+``torchao-tensorwise``    one dynamic scale per tensor; e4m3 forward,    compute capability >= 8.9
+                          e5m2 gradients
+``torchao-rowwise``       one scale per row (per column of the other     compute capability >= 9.0
+                          operand), power-of-2 scales, e4m3 everywhere
+``torchao-rowwise-gw-hp`` rowwise, but the weight-gradient GEMM in bf16  compute capability >= 9.0
+=======================  =============================================  ============================
+
+They route the same projections (:class:`Float8Linear`: the golden ``Linear`` keeps its class's parameter and
+names, only its GEMM changes) through torchao's ``matmul_with_hp_or_float8_args`` (quantize both operands
+from the bf16 tensors, ``torch._scaled_mm``, the two backward GEMMs likewise), compiled with the rest of the
+glue (``model/common.py: fast``) so the amax, scale and cast of each operand are one or two fused kernels.
+Unlike Transformer Engine's modules they keep no state and do no host work per call, so they run inside the
+layer CUDA graphs (``--cuda-graph-impl local``), and KDA's six projections of x stay one GEMM
+(``parallel/layers.py: fused_linears``) on the concatenated weight.
 """
 from __future__ import annotations
 
@@ -36,9 +54,13 @@ from torch import nn
 from ..cli import UsageError
 from ..model.common import Linear
 
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+TE_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+TORCHAO_RECIPES = {"torchao-tensorwise": "tensorwise", "torchao-rowwise": "rowwise",
+                   "torchao-rowwise-gw-hp": "rowwise_with_gw_hp"}  # ours -> torchao's recipe name
+FP8_RECIPES = TE_RECIPES + tuple(TORCHAO_RECIPES)
 FP8_FORMATS = ("e4m3", "hybrid")
-MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0),
+                  "torchao-tensorwise": (8, 9), "torchao-rowwise": (9, 0), "torchao-rowwise-gw-hp": (9, 0)}
 FP8_DIM_MULTIPLE = 16
 
 
@@ -50,12 +72,29 @@ def te_version() -> str | None:
     return getattr(transformer_engine, "__version__", "unknown")
 
 
+def torchao_version() -> str | None:
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return getattr(torchao, "__version__", "unknown")
+
+
+def is_torchao(recipe: str | None) -> bool:
+    return recipe in TORCHAO_RECIPES
+
+
+def uses_te(recipe: str | None, fmt: str | None = None) -> bool:
+    """Whether the request runs FP8 through Transformer Engine (megatron's fp8 fields, TE modules)."""
+    return (recipe is not None or fmt is not None) and not is_torchao(recipe)
+
+
 def check_fp8(recipe: str | None, fmt: str | None, *, capability: tuple[int, int] | None, te: str | None,
-              recompute: str = "none") -> None:
+              recompute: str = "none", torchao: str | None = None) -> None:
     """Refuse an FP8 request this machine or run cannot honour, before anything is built.
 
-    ``capability`` is the GPU's (major, minor) or None without CUDA; ``te`` the Transformer Engine version or
-    None when it does not import."""
+    ``capability`` is the GPU's (major, minor) or None without CUDA; ``te`` / ``torchao`` the Transformer
+    Engine / torchao version or None when it does not import."""
     if recipe is None and fmt is None:
         return
     if recipe is not None and recipe not in FP8_RECIPES:
@@ -63,6 +102,22 @@ def check_fp8(recipe: str | None, fmt: str | None, *, capability: tuple[int, int
     if fmt is not None and fmt not in FP8_FORMATS:
         raise UsageError(f"--fp8-format {fmt}: choose from {', '.join(FP8_FORMATS)}")
     recipe = recipe or "delayed"
+    if is_torchao(recipe):
+        if fmt is not None:
+            raise UsageError(f"--fp8-recipe {recipe} fixes its own formats (torchao: tensorwise e4m3 forward and "
+                             "e5m2 gradients, rowwise e4m3); drop --fp8-format")
+        if capability is None:
+            raise UsageError(f"--fp8-recipe {recipe} needs a CUDA GPU (torch._scaled_mm FP8 GEMMs); drop the FP8 "
+                             "flags to train in bf16")
+        if torchao is None:
+            raise UsageError(f"--fp8-recipe {recipe} needs torchao, which does not import here (pip install "
+                             "torchao); drop the FP8 flags to train in bf16")
+        need = MIN_CAPABILITY[recipe]
+        if tuple(capability) < need:
+            raise UsageError(f"--fp8-recipe {recipe} is not supported on this GPU (compute capability "
+                             f"{capability[0]}.{capability[1]}): its FP8 GEMMs need compute capability "
+                             f"{need[0]}.{need[1]} or higher; on Ada use --fp8-recipe torchao-tensorwise")
+        return
     if capability is None:
         raise UsageError(f"--fp8-recipe {recipe} needs a CUDA GPU (FP8 GEMMs are Transformer Engine kernels); "
                          "drop the FP8 flags to train in bf16")
@@ -85,9 +140,12 @@ def check_fp8(recipe: str | None, fmt: str | None, *, capability: tuple[int, int
 
 
 def resolve(recipe: str | None, fmt: str | None) -> dict:
-    """megatron TransformerConfig fields for the request (``{}`` for bf16)."""
+    """``build_model_chunks`` keywords for the request: megatron TransformerConfig fields for Transformer
+    Engine, ``torchao_float8`` for a torchao recipe, ``{}`` for bf16."""
     if recipe is None and fmt is None:
         return {}
+    if is_torchao(recipe):
+        return {"torchao_float8": recipe}
     return {"fp8": fmt or "e4m3", "fp8_recipe": recipe or "delayed"}
 
 
@@ -96,7 +154,8 @@ def check_fp8_here(recipe: str | None, fmt: str | None, recompute: str = "none")
     if recipe is None and fmt is None:
         return
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    check_fp8(recipe, fmt, capability=cap, te=te_version(), recompute=recompute)
+    check_fp8(recipe, fmt, capability=cap, te=te_version() if uses_te(recipe, fmt) else "unused",
+              recompute=recompute, torchao=torchao_version() if is_torchao(recipe) else None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -104,6 +163,8 @@ class TELinear(Linear):
     """A golden ``Linear`` whose GEMM is ``transformer_engine.pytorch.Linear`` (FP8 inside an FP8 autocast,
     bf16 outside) on the same weight ``Parameter``. The TE module is kept out of the module tree, so the
     parameter keeps its one name and ``state_dict`` its keys."""
+
+    fusable = False  # TE's module owns the GEMM: fused_linears runs these one by one
 
     @classmethod
     def adopt(cls, lin: Linear, make_te=None) -> "TELinear":
@@ -135,6 +196,81 @@ def use_te_linears(model: nn.Module, make_te=None, multiple: int = FP8_DIM_MULTI
         if m.in_features % multiple or m.out_features % multiple:
             continue
         TELinear.adopt(m, make_te)
+        done.append(name)
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchao float8 training
+_AO_GEMMS: dict = {}
+
+
+def _ao_gemm_fn(recipe: str):
+    """``(x, w) -> x @ w.T`` through torchao's float8 matmul for one of ``TORCHAO_RECIPES`` (one function object
+    per recipe, so ``model/common.py: compiled`` compiles it once and keys its graphs by shape)."""
+    if recipe not in _AO_GEMMS:
+        from torchao.float8.config import Float8LinearConfig
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        config = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe])
+        # the three GEMMs' settings, as torchao's own Float8Linear derives them from its config
+        mm = LinearMMConfig(*(ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim)
+                              for g in (config.gemm_config_output, config.gemm_config_grad_input,
+                                        config.gemm_config_grad_weight)))
+
+        def gemm(x, w):
+            return matmul_with_hp_or_float8_args.apply(x, w.t(), mm, config)
+
+        gemm.__name__ = gemm.__qualname__ = "float8_gemm_" + TORCHAO_RECIPES[recipe]
+        _AO_GEMMS[recipe] = gemm
+    return _AO_GEMMS[recipe]
+
+
+def float8_gemm(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``F.linear(x, w)`` with the GEMMs of forward and backward in FP8 (torchao ``recipe``): the quantisation
+    of both operands is compiled with the GEMM call on CUDA (``fast``: amax, scale and cast fused)."""
+    from ..model.common import fast
+
+    fn = _ao_gemm_fn(recipe)
+    return fast(fn, x)(x, w)
+
+
+class Float8Linear(Linear):
+    """A golden ``Linear`` whose GEMMs run in FP8 through torchao (``float8_gemm``); same ``Parameter``, name
+    and ``state_dict`` key. ``fusable``: ``fused_linears`` may run several of them (same recipe) as one FP8
+    GEMM on their concatenated weights."""
+
+    fusable = True
+
+    @classmethod
+    def adopt(cls, lin: Linear, recipe: str) -> "Float8Linear":
+        if recipe not in TORCHAO_RECIPES:
+            raise ValueError(f"not a torchao recipe: {recipe}")
+        lin.__class__ = cls
+        lin.fp8_recipe = recipe
+        return lin
+
+    def gemm(self, x, w):
+        return float8_gemm(x, w, self.fp8_recipe)
+
+    def forward(self, x):
+        return self.gemm(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fp8_recipe={self.fp8_recipe}"
+
+
+def use_torchao_linears(model: nn.Module, recipe: str, multiple: int = FP8_DIM_MULTIPLE) -> list[str]:
+    """Route the eligible projections of ``model.layers`` (the ones ``use_te_linears`` takes) through torchao's
+    float8 GEMMs; returns their names."""
+    done = []
+    for name, m in model.named_modules():
+        if not name.startswith("layers.") or type(m) is not Linear:
+            continue
+        if m.in_features % multiple or m.out_features % multiple:
+            continue
+        Float8Linear.adopt(m, recipe)
         done.append(name)
     return done
 

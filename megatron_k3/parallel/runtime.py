@@ -63,13 +63,16 @@ def stage_ranges(cfg, layout: ParallelLayout) -> list[tuple[int, int, bool, bool
 
 
 def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, device=None, recompute: str = "none",
-                       init_seed: int | None = 0, init_workers: int | None = None, **tconfig_overrides):
+                       init_seed: int | None = 0, init_workers: int | None = None, torchao_float8: str | None = None,
+                       **tconfig_overrides):
     """This rank's model chunks (one per virtual stage), built without the rest of the model
     (``rank_init.py``): parameters on the meta device, then allocated on ``device`` and, with ``init_seed``,
     given the golden initialisation of that seed (``None``: left uninitialised, for a caller that loads
     weights). ``device="meta"`` leaves them on the meta device (``simulate``). ``recompute``: "none",
     "selective" (the token mixers' cores and FFN activations are recomputed in backward) or "full" (whole
-    layers). ``init_workers``: threads generating the initial values (``rank_init.init_chunks_``)."""
+    layers). ``init_workers``: threads generating the initial values (``rank_init.init_chunks_``).
+    FP8 (``precision.resolve``): megatron's ``fp8`` fields route the projections through Transformer Engine,
+    ``torchao_float8`` (a torchao recipe) through torchao's float8 GEMMs."""
     from megatron.core import parallel_state as ps
 
     from .comm import ParallelCtx
@@ -91,6 +94,11 @@ def build_model_chunks(cfg, layout: ParallelLayout, params_dtype=torch.float32, 
 
         for m in chunks:
             use_te_linears(m)
+    elif torchao_float8:
+        from .precision import use_torchao_linears
+
+        for m in chunks:
+            use_torchao_linears(m, torchao_float8)
     return chunks, tconfig
 
 

@@ -148,15 +148,21 @@ class CheckpointSection:
 @dataclass
 class PerfSection:
     bf16: bool = F(False, "bf16 weights and activations (fp32 master weights in the optimizer)")
-    fp8_recipe: str | None = F(None, "FP8 through Transformer Engine (megatron_k3/parallel/precision.py): blockwise on Hopper, "
-                                     "mxfp8 on Blackwell (refused on older GPUs); needs --bf16",
-                               choices=("delayed", "tensorwise", "blockwise", "mxfp8"))
-    fp8_format: str | None = F(None, "FP8 format (default e4m3 when FP8 is on)", choices=("e4m3", "hybrid"))
+    fp8_recipe: str | None = F(None, "FP8 GEMMs in the decoder layers' projections (megatron_k3/parallel/precision.py): "
+                                     "delayed/tensorwise/blockwise/mxfp8 through Transformer Engine (mxfp8 on "
+                                     "Blackwell only), torchao-tensorwise/torchao-rowwise/torchao-rowwise-gw-hp "
+                                     "through torchao.float8 (stateless: works with --cuda-graph-impl local); needs "
+                                     "--bf16",
+                               choices=("delayed", "tensorwise", "blockwise", "mxfp8", "torchao-tensorwise",
+                                        "torchao-rowwise", "torchao-rowwise-gw-hp"))
+    fp8_format: str | None = F(None, "FP8 format of the Transformer Engine recipes (default e4m3 when FP8 is on)",
+                               choices=("e4m3", "hybrid"))
     recompute_granularity: str = F("none", "selective: recompute the token mixers' cores and FFN activations; "
                                            "full: whole layers", choices=("none", "selective", "full"))
     cuda_graph_impl: str = F("none", "local: each decoder layer's forward and backward as CUDA graphs, captured "
                                      "before the first step (megatron_k3/parallel/graphs.py; one GPU stage, "
-                                     "EP = TP = CP = 1, no full recompute, no FP8)", choices=("none", "local"))
+                                     "EP = TP = CP = 1, no full recompute, FP8 only through torchao)",
+                                choices=("none", "local"))
     compile: str = F("auto", "torch.compile of the element-wise glue: auto (CUDA training calls), off, all (every "
                              "device)", choices=perf_mod.CHOICES["compile"])
     compile_backend: str = F("inductor", "torch.compile backend")

@@ -558,6 +558,8 @@ class Trainer:
                        "step_time_s": step_s, "epoch": self.loader.epoch}
                 if res.mtp_loss is not None:
                     rec["mtp_loss"] = res.mtp_loss
+                if torch.cuda.is_available():  # this rank's device peak so far (allocator counters: no sync)
+                    rec["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 3)
                 if step == first_step:  # how long a job takes to reach its first step (imports, build, kernels)
                     rec.update(self.startup_record(step_s))
                 if stats:

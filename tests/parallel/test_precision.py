@@ -1,9 +1,13 @@
-"""FP8 policy (megatron_k3/parallel/precision.py): up-front refusals, and the Transformer Engine linear swap.
+"""FP8 policy (megatron_k3/parallel/precision.py): up-front refusals, the Transformer Engine linear swap, and
+torchao's float8 GEMMs.
 
-The FP8 GEMMs themselves need a GPU with Transformer Engine: ``benchmarks/bench_fp8.py`` measures them there
-(loss and speed against bf16, JSON in benchmarks/results/). Here: the checks that run before anything is
-built, and that routing a golden ``Linear`` through another module keeps its one Parameter, its name, its
-``state_dict`` key, its output and its gradient (the inner module is a plain ``torch.nn.Linear`` on CPU).
+Transformer Engine's FP8 GEMMs need a GPU: ``benchmarks/bench_fp8.py`` measures them there (loss and speed
+against bf16 through the trainer, JSON in benchmarks/results/). Here: the checks that run before anything is
+built; that routing a golden ``Linear`` through another module keeps its one Parameter, its name, its
+``state_dict`` key, its output and its gradient (the inner module is a plain ``torch.nn.Linear`` on CPU); and
+torchao's recipes for real, since ``torch._scaled_mm`` runs its FP8 GEMMs on the CPU too: each GEMM against
+bf16, the compiled form against the eager one, KDA's fused projections, and the whole megatron model
+(``tests/helpers/float8_check.py``).
 """
 import json
 import math
@@ -17,7 +21,9 @@ from torch import nn
 
 from megatron_k3.cli import UsageError
 from megatron_k3.model.common import Linear
-from megatron_k3.parallel.precision import TELinear, check_fp8, resolve, use_te_linears
+from megatron_k3 import perf
+from megatron_k3.parallel.precision import (Float8Linear, TELinear, TORCHAO_RECIPES, check_fp8, float8_gemm,
+                                            resolve, use_te_linears, use_torchao_linears)
 
 HOPPER, ADA, BLACKWELL = (9, 0), (8, 9), (10, 0)
 
@@ -27,6 +33,13 @@ HOPPER, ADA, BLACKWELL = (9, 0), (8, 9), (10, 0)
 def test_supported_combinations_pass(recipe, cap):
     check_fp8(recipe, None, capability=cap, te="2.20.2")
     assert resolve(recipe, None) == {"fp8": "e4m3", "fp8_recipe": recipe}
+
+
+@pytest.mark.parametrize("recipe,cap", [("torchao-tensorwise", ADA), ("torchao-rowwise", HOPPER),
+                                        ("torchao-rowwise-gw-hp", BLACKWELL)])
+def test_torchao_recipes_pass_without_transformer_engine(recipe, cap):
+    check_fp8(recipe, None, capability=cap, te=None, torchao="0.18.0")
+    assert resolve(recipe, None) == {"torchao_float8": recipe}  # no megatron fp8 fields: TE stays out
 
 
 def test_bf16_needs_nothing():
@@ -44,6 +57,14 @@ def test_bf16_needs_nothing():
     (dict(recipe="blockwise", fmt="hybrid", capability=HOPPER, te="2.20.2"), "--fp8-format e4m3"),
     (dict(recipe="fp4", fmt=None, capability=HOPPER, te="2.20.2"), "choose from"),
     (dict(recipe="delayed", fmt=None, capability=HOPPER, te="2.20.2", recompute="full"), "amax history"),
+    (dict(recipe="torchao-rowwise", fmt=None, capability=ADA, te=None, torchao="0.18.0"),
+     "compute capability 9.0 or higher; on Ada use --fp8-recipe torchao-tensorwise"),
+    (dict(recipe="torchao-tensorwise", fmt=None, capability=(8, 0), te=None, torchao="0.18.0"),
+     "compute capability 8.9 or higher"),
+    (dict(recipe="torchao-rowwise", fmt=None, capability=None, te=None, torchao="0.18.0"), "needs a CUDA GPU"),
+    (dict(recipe="torchao-rowwise", fmt=None, capability=HOPPER, te="2.20.2", torchao=None), "needs torchao"),
+    (dict(recipe="torchao-rowwise", fmt="e4m3", capability=HOPPER, te=None, torchao="0.18.0"),
+     "drop --fp8-format"),
 ])
 def test_refusals_name_the_problem(kw, needle):
     with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
@@ -105,6 +126,106 @@ def test_swap_keeps_parameter_name_output_and_gradient():
     assert q._te.training
 
 
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("recipe", list(TORCHAO_RECIPES))
+def test_torchao_float8_linear_is_an_fp8_gemm(recipe):
+    """A swapped projection keeps its Parameter and name and computes x @ W.T and both gradients in FP8: within
+    FP8's rounding of bf16 (e4m3 ~3% per operand; measured 3.6-6.3% here), not equal to it (it did round)."""
+    torch.manual_seed(0)
+    model = _Model().to(torch.bfloat16)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.reset_parameters(torch.Generator().manual_seed(1))
+    keys, w = list(model.state_dict()), model.layers["0"].q_proj.weight
+    assert use_torchao_linears(model, recipe) == ["layers.0.q_proj"]
+    q = model.layers["0"].q_proj
+    assert type(q) is Float8Linear and q.weight is w and list(model.state_dict()) == keys
+    assert type(model.layers["0"].small) is Linear and type(model.lm_head) is Linear
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = q(x), torch.nn.functional.linear(xr, w.detach().clone().requires_grad_())
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g)
+    assert 0 < _rel(y, yr) < 0.08 and 0 < _rel(x.grad, xr.grad) < 0.1
+    wr = w.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x.detach(), wr).backward(g)
+    if recipe.endswith("gw-hp"):  # the weight-gradient GEMM in bf16: bf16's own result
+        assert _rel(w.grad, wr.grad) < 1e-3
+    else:
+        assert 0 < _rel(w.grad, wr.grad) < 0.1
+
+
+def test_torchao_gemm_compiled_is_the_eager_gemm():
+    """On CUDA the quantisation and GEMM run compiled (``fast``); that graph computes the eager function's bits
+    (forward and both gradients; aot_eager backend on the CPU)."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(32, 48, dtype=torch.bfloat16)
+    outs = []
+    for mode in ("off", "all"):
+        with perf.using(compile=mode, compile_backend="aot_eager"):
+            y = float8_gemm(x, w, "torchao-rowwise")
+        y.backward(g)
+        outs.append((y.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_fused_projections_of_float8_linears_are_one_gemm():
+    """``fused_linears``: Float8Linears of one recipe run as one FP8 GEMM on the concatenated weights; a mix
+    (an ineligible narrow projection stays a plain Linear) runs one by one."""
+    from megatron_k3.parallel.layers import fused_linears
+
+    mods = [Linear(32, 48), Linear(32, 16), Linear(32, 32)]
+    for m in mods:
+        m.reset_parameters(torch.Generator().manual_seed(2))
+        m.to(torch.bfloat16)
+        Float8Linear.adopt(m, "torchao-rowwise")
+    calls = []
+    plain = Float8Linear.gemm
+    Float8Linear.gemm = lambda self, x, w: calls.append(w.shape[0]) or plain(self, x, w)
+    try:
+        x = torch.randn(8, 32, dtype=torch.bfloat16)
+        outs = fused_linears(x, mods)
+        assert calls == [96] and [o.shape[-1] for o in outs] == [48, 16, 32]
+        ref = torch.nn.functional.linear(x, torch.cat([m.weight for m in mods]))
+        assert _rel(torch.cat(outs, -1), ref) < 0.08
+        calls.clear()
+        mixed = mods[:2] + [Linear(32, 8).to(torch.bfloat16)]
+        fused_linears(x, mixed)
+        assert calls == [48, 16]
+    finally:
+        Float8Linear.gemm = plain
+
+
+def test_torchao_graphs_allowed_te_refused():
+    """Layer CUDA graphs take torchao's stateless recipes and refuse Transformer Engine's."""
+    from megatron_k3.parallel.graphs import CudaGraphError, check_cuda_graphs
+    from megatron_k3.parallel.layout import ParallelLayout
+
+    check_cuda_graphs("local", ParallelLayout(), fp8_recipe="torchao-rowwise", cuda=True)
+    with pytest.raises(CudaGraphError, match="Transformer Engine updates its scaling state"):
+        check_cuda_graphs("local", ParallelLayout(), fp8_recipe="blockwise", cuda=True)
+
+
+def test_megatron_model_with_torchao_float8(root):
+    """The megatron K3 model with each torchao recipe against itself in bf16 (tests/helpers/float8_check.py):
+    the right projections swapped, KDA's six projections one FP8 GEMM, loss within 1%, gradients aligned."""
+    from megatron_k3.train.launch_env import free_port
+
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "float8_check.py"), str(free_port())],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root), cwd=root)
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(rep[k]["float8_linears"] > 20 for k in TORCHAO_RECIPES)
+
+
 def test_trainer_refuses_fp8_before_building(root, tmp_path):
     """The trainer's flags: FP8 without --bf16, and FP8 on a machine without a GPU, fail up front (exit 2)."""
     env = dict(os.environ, PYTHONPATH=root)
@@ -116,25 +237,32 @@ def test_trainer_refuses_fp8_before_building(root, tmp_path):
         r = subprocess.run(base + ["--bf16", "--fp8-recipe", "mxfp8"], capture_output=True, text=True, timeout=300,
                            env=env, cwd=root)
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-1500:]
+        r = subprocess.run(base + ["--bf16", "--fp8-recipe", "torchao-rowwise"], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=root)
+        assert r.returncode == 2 and "needs a CUDA GPU (torch._scaled_mm" in r.stderr, r.stderr[-1500:]
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 def test_bench_fp8_smoke(root, tmp_path):
-    """The FP8 benchmark harness runs on CPU: the baseline trains (twice, reproducibly, on the synthetic source),
-    the FP8 recipes are refused by name."""
+    """The FP8 benchmark runs the trainer once per recipe on CPU: the baseline trains (twice, reproducibly, on
+    the synthetic store it writes), the FP8 recipes are refused by name with the trainer's error line."""
     out = tmp_path / "f.json"
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_fp8.py"), "--smoke", "--recipes",
-                        "bf16,blockwise,bf16", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29689"))
+                        "bf16,blockwise,torchao-rowwise,bf16", "--work", str(tmp_path / "w"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(out))
     b = rep["recipes"]["bf16"]
-    assert b["tokens_per_s"] > 0 and len(b["loss_every_10"]) == 1 and b["final_loss_mean_last20"] > 0
+    assert b["steps"] == 6 and b["tokens_per_s"] > 0 and len(b["loss_every_10"]) == 1
+    assert 0 < b["final_loss_mean_last20"] < 7 and "launchers/pretrain_k3.py" in b["command"]
     assert 0 < rep["source_entropy_nats"] < math.log(512)
-    # the repeated recipe is a second run on the same data and init: on the CPU its losses are the same
+    # the repeated recipe is a second trainer run on the same data and init: on the CPU its losses are the same
     assert rep["recipes"]["bf16#2"]["loss_every_10"] == b["loss_every_10"]
+    assert rep["recipes"]["bf16#2"]["final_loss_mean_last20"] == b["final_loss_mean_last20"]
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in rep["recipes"]["blockwise"]["error"]
+        assert "needs a CUDA GPU (torch._scaled_mm" in rep["recipes"]["torchao-rowwise"]["error"]
+        assert rep["recipes"]["torchao-rowwise"]["returncode"] == 2
 
 
 def test_synthetic_source(bench_module):

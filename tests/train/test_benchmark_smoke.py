@@ -258,6 +258,9 @@ def test_bench_gemm_fp8_math_and_refusal(root, tmp_path):
     ref = cases["bf16"]().float()
     for name in ("scaled_mm_tensorwise", "scaled_mm_rowwise"):
         assert rel(cases[name](), ref) < 0.06, name
+    # the Linear table has the trainer's torchao GEMMs (each ran once when set up; "compiled" is eager on CPU)
+    lin, errors = b.linear_cases(64, 48, 32, "cpu", [])
+    assert "torchao" not in errors and {"torchao-rowwise_compiled", "torchao-tensorwise_eager"} <= set(lin), errors
     if not torch.cuda.is_available():
         out = tmp_path / "g.json"
         r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_gemm_fp8.py"), "--out", str(out)],
