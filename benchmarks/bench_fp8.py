@@ -35,7 +35,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 MODEL_CONFIG = os.path.join(ROOT, "configs", "k3-h4096.yaml")
 VOCAB = 512  # k3-tiny's vocabulary, which configs/k3-h4096.yaml keeps
@@ -93,6 +92,31 @@ def synthetic_store(path: str, windows: int, S: int, seed: int = 0, vocab: int =
     return entropy
 
 
+def flop_split(config_path: str, seq_length: int, tokens: int) -> dict:
+    """Model FLOPs of one step (benchmark.py's count) and the part in the GEMMs that FP8 recipes take (the
+    decoder layers' projections with both sizes multiples of 16, routed experts excluded: 6 x in x out per
+    token each), from the golden model on the meta device."""
+    import torch
+
+    from benchmark import flops_per_token
+    from megatron_k3.model import K3ForCausalLM
+    from megatron_k3.model.common import Linear
+    from megatron_k3.plan.model_info import model_info
+    from megatron_k3.train.config import JobConfig, apply_file
+
+    job = JobConfig()
+    apply_file(job, config_path)
+    cfg = job.model_config()
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg, init=False)
+    eligible = sum(m.in_features * m.out_features for n, m in model.model.layers.named_modules()
+                   if type(m) is Linear and m.in_features % 16 == 0 and m.out_features % 16 == 0
+                   and ".experts." not in f".{n}.")
+    step = flops_per_token(cfg, seq_length, model_info(cfg)["active_params"]) * tokens
+    return {"model_tflop_per_step": step / 1e12, "fp8_eligible_gemm_tflop_per_step": 6 * eligible * tokens / 1e12,
+            "fp8_eligible_fraction": 6 * eligible * tokens / step}
+
+
 def run_recipe(recipe: str, args, store: str, run_dir: str, extra: list[str]) -> dict:
     """One trainer process with ``recipe``; its figures from metrics.jsonl (or its error line)."""
     cmd = [sys.executable, os.path.join(ROOT, "launchers", "pretrain_k3.py"), "--config", args.config,
@@ -106,7 +130,8 @@ def run_recipe(recipe: str, args, store: str, run_dir: str, extra: list[str]) ->
         cmd += ["--fp8-recipe", recipe]
     cmd += extra
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
     res = {"command": " ".join(cmd[1:]).replace(ROOT + "/", ""), "wall_s": round(time.time() - t0, 1),
            "returncode": r.returncode}
     if r.returncode != 0:
@@ -141,6 +166,10 @@ def main():
     ap.add_argument("--work", default="/tmp/k3_bench_fp8", help="synthetic store and run directories")
     ap.add_argument("--smoke", action="store_true", help="CPU: k3-tiny (configs/k3-tiny-cpu.yaml), 6 steps of 2 x 128")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--append", action="store_true",
+                    help="add these recipes to the runs already in --out (several calls of one machine: the first "
+                         "run's startup compiles and autotunes this model's kernels, ~7 min cold on an H100); each "
+                         "run records its own date and device")
     ap.add_argument("extra", nargs="*", help="after --: more trainer flags, for every recipe")
     args = ap.parse_args()
     if args.smoke:
@@ -164,9 +193,19 @@ def main():
            "layer_graphs": not (args.no_graphs or args.smoke),
            "data": "synthetic order-2 source (synthetic_store): fresh windows every step, the same for every recipe",
            "source_entropy_nats": entropy, "recipes": {}}
+    rep.update(flop_split(args.config, args.seq_length, args.micro_batch_size * args.seq_length))
+    if args.append and args.out and os.path.exists(args.out):
+        old = json.load(open(args.out))
+        same = ("model_config", "micro_batch_size", "seq_length", "train_iters", "layer_graphs", "source_entropy_nats")
+        if any(old.get(k) != rep[k] for k in same):
+            raise SystemExit(f"error: --append: {args.out} holds runs of other settings "
+                             f"({ {k: old.get(k) for k in same} }); use another --out")
+        old.setdefault("commands", [old["command"]]).append(rep["command"])
+        rep = old
+    done = list(rep["recipes"])
     recipes = args.recipes.split(",")
     for i, recipe in enumerate(recipes):
-        n = recipes[:i].count(recipe)
+        n = sum(1 for d in done if d.split("#")[0] == recipe) + recipes[:i].count(recipe)
         label = recipe if n == 0 else f"{recipe}#{n + 1}"
         run_dir = os.path.join(args.work, "runs", label.replace("#", "_"))
         if os.path.isdir(run_dir):
@@ -175,6 +214,8 @@ def main():
             shutil.rmtree(run_dir)
         rep["recipes"][label] = run_recipe(recipe, args, store, run_dir, args.extra)
         r = rep["recipes"][label]
+        r["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        r["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
         print(f"[bench_fp8] {label}: " + (f"{r['median_step_s']:.4f} s/step, {r['tokens_per_s']:.0f} tokens/s, "
                                           f"loss(last 20) {r['final_loss_mean_last20']:.4f}, peak "
                                           f"{r['max_memory_allocated_gib']} GiB" if "error" not in r

@@ -130,7 +130,6 @@ def linear_cases(M: int, N: int, K: int, dev, te_recipes) -> tuple[dict, dict]:
     cases["torch_bf16"] = torch_bf16
     cases["scaled_mm_rowwise_fwd_bwd"] = lambda: rowwise_fwd_bwd(x.detach(), w.detach(), dy)
     try:  # the trainer's torchao path (parallel/precision.py: float8_gemm), eager and compiled as it runs
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from megatron_k3 import perf
         from megatron_k3.parallel.precision import TORCHAO_RECIPES, float8_gemm
 

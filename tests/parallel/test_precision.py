@@ -263,6 +263,16 @@ def test_bench_fp8_smoke(root, tmp_path):
         assert "needs a CUDA GPU" in rep["recipes"]["blockwise"]["error"]
         assert "needs a CUDA GPU (torch._scaled_mm" in rep["recipes"]["torchao-rowwise"]["error"]
         assert rep["recipes"]["torchao-rowwise"]["returncode"] == 2
+    # the FLOP split it reports: k3-tiny's projections are most, not all, of the model's FLOPs
+    assert 0.3 < rep["fp8_eligible_fraction"] < 1 and rep["model_tflop_per_step"] > 0
+    # --append: a later call adds its runs to the same JSON (same settings), numbered after the earlier ones
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_fp8.py"), "--smoke", "--recipes", "bf16",
+                        "--work", str(tmp_path / "w"), "--out", str(out), "--append"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep2 = json.load(open(out))
+    assert list(rep2["recipes"]) == list(rep["recipes"]) + ["bf16#3"] and len(rep2["commands"]) == 2
+    assert rep2["recipes"]["bf16#3"]["final_loss_mean_last20"] == b["final_loss_mean_last20"]
 
 
 def test_synthetic_source(bench_module):
