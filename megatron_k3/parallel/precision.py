@@ -28,13 +28,14 @@ Delayed scaling's amax history is not checkpointed (a resume restarts it); the o
 
 torchao recipes (``torchao.float8``, the float8 training of the PyTorch ecosystem; no Transformer Engine):
 
-=======================  =============================================  ============================
-``torchao-tensorwise``    one dynamic scale per tensor; e4m3 forward,    compute capability >= 8.9
-                          e5m2 gradients
-``torchao-rowwise``       one scale per row (per column of the other     compute capability >= 9.0
-                          operand), power-of-2 scales, e4m3 everywhere
-``torchao-rowwise-gw-hp`` rowwise, but the weight-gradient GEMM in bf16  compute capability >= 9.0
-=======================  =============================================  ============================
+=========================  ============================================  ============================
+``torchao-tensorwise``      one dynamic scale per tensor; e4m3 forward,   compute capability >= 8.9
+                            e5m2 gradients
+``torchao-rowwise``         one scale per row (per column of the other    compute capability >= 9.0
+                            operand), power-of-2 scales, e4m3 everywhere
+``torchao-rowwise-gw-hp``   rowwise, but the weight-gradient GEMM in      compute capability >= 9.0
+                            bf16
+=========================  ============================================  ============================
 
 They route the same projections (:class:`Float8Linear`: the golden ``Linear`` keeps its class's parameter and
 names, only its GEMM changes) through torchao's ``matmul_with_hp_or_float8_args`` (quantize both operands
@@ -154,7 +155,7 @@ def check_fp8_here(recipe: str | None, fmt: str | None, recompute: str = "none")
     if recipe is None and fmt is None:
         return
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    check_fp8(recipe, fmt, capability=cap, te=te_version() if uses_te(recipe, fmt) else "unused",
+    check_fp8(recipe, fmt, capability=cap, te=te_version() if uses_te(recipe, fmt) else None,
               recompute=recompute, torchao=torchao_version() if is_torchao(recipe) else None)
 
 
