@@ -188,17 +188,20 @@ class TELinear(Linear):
         return super().train(mode)
 
 
+def eligible_linears(model: nn.Module, multiple: int = FP8_DIM_MULTIPLE) -> list[tuple[str, Linear]]:
+    """The projections an FP8 recipe takes: golden ``Linear``s inside ``model.layers`` with both sizes multiples
+    of ``multiple`` (the FP8 GEMMs' requirement), as (name, module)."""
+    return [(name, m) for name, m in model.named_modules()
+            if name.startswith("layers.") and type(m) is Linear
+            and not (m.in_features % multiple or m.out_features % multiple)]
+
+
 def use_te_linears(model: nn.Module, make_te=None, multiple: int = FP8_DIM_MULTIPLE) -> list[str]:
     """Route the eligible projections of ``model.layers`` through Transformer Engine; returns their names."""
-    done = []
-    for name, m in model.named_modules():
-        if not name.startswith("layers.") or type(m) is not Linear:
-            continue
-        if m.in_features % multiple or m.out_features % multiple:
-            continue
+    done = eligible_linears(model, multiple)
+    for _, m in done:
         TELinear.adopt(m, make_te)
-        done.append(name)
-    return done
+    return [name for name, _ in done]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,17 +266,12 @@ class Float8Linear(Linear):
 
 
 def use_torchao_linears(model: nn.Module, recipe: str, multiple: int = FP8_DIM_MULTIPLE) -> list[str]:
-    """Route the eligible projections of ``model.layers`` (the ones ``use_te_linears`` takes) through torchao's
-    float8 GEMMs; returns their names."""
-    done = []
-    for name, m in model.named_modules():
-        if not name.startswith("layers.") or type(m) is not Linear:
-            continue
-        if m.in_features % multiple or m.out_features % multiple:
-            continue
+    """Route the eligible projections of ``model.layers`` (``eligible_linears``, as for Transformer Engine)
+    through torchao's float8 GEMMs; returns their names."""
+    done = eligible_linears(model, multiple)
+    for _, m in done:
         Float8Linear.adopt(m, recipe)
-        done.append(name)
-    return done
+    return [name for name, _ in done]
 
 
 def layer_context(config, layer_no: int):
