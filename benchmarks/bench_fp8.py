@@ -100,7 +100,7 @@ def flop_split(config_path: str, seq_length: int, tokens: int) -> dict:
 
     from benchmark import flops_per_token
     from megatron_k3.model import K3ForCausalLM
-    from megatron_k3.model.common import Linear
+    from megatron_k3.parallel.precision import eligible_linears
     from megatron_k3.plan.model_info import model_info
     from megatron_k3.train.config import JobConfig, apply_file
 
@@ -109,9 +109,9 @@ def flop_split(config_path: str, seq_length: int, tokens: int) -> dict:
     cfg = job.model_config()
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, init=False)
-    eligible = sum(m.in_features * m.out_features for n, m in model.model.layers.named_modules()
-                   if type(m) is Linear and m.in_features % 16 == 0 and m.out_features % 16 == 0
-                   and ".experts." not in f".{n}.")
+    # the golden model's routed experts are Linears too; the megatron model runs them as grouped GEMMs (bf16)
+    eligible = sum(m.in_features * m.out_features for n, m in eligible_linears(model.model)
+                   if ".experts." not in f".{n}.")
     step = flops_per_token(cfg, seq_length, model_info(cfg)["active_params"]) * tokens
     return {"model_tflop_per_step": step / 1e12, "fp8_eligible_gemm_tflop_per_step": 6 * eligible * tokens / 1e12,
             "fp8_eligible_fraction": 6 * eligible * tokens / step}
