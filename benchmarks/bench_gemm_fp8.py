@@ -28,8 +28,14 @@ transpose and amax the recipe needs):
   build refuses is recorded with its error (MXFP8 needs compute capability 10.0).
 
 TFLOP/s count 2*M*N*K per GEMM (x3 for fwd+bwd). The JSON also records the GPU, torch, CUDA, TE and the
-cuBLAS / cuBLASLt libraries this process mapped (``/proc/self/maps``), because which cuBLASLt TE loads is one
-of the causes the issue asks about. Without a CUDA device with FP8 (compute capability >= 8.9) the script
+cuBLAS / cuBLASLt libraries this process mapped (``/proc/self/maps``) with the version each reports
+(``cublasLtGetVersion``) and the one TE says it was built against and runs (``tex.get_cublasLt_version``),
+because which cuBLASLt TE loads is one of the causes the issue asks about.
+
+``--profile`` adds, per Linear case and shape, where its fwd+bwd time goes on the device (``torch.profiler``,
+``--profile-iters`` calls): the kernels' time per call split into the GEMMs (cuBLAS/CUTLASS names) and the
+rest (quantisation, transposes, amax and scale updates, casts), and the case's top kernels by time. That
+split answers "is it the FP8 GEMM or the work around it" per recipe. Without a CUDA device with FP8 (compute capability >= 8.9) the script
 writes its refusal into the JSON and exits 2.
 """
 from __future__ import annotations
@@ -38,6 +44,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -55,6 +62,55 @@ def mapped_libraries(*needles: str) -> list:
     except OSError:
         return []
     return sorted(p for p in paths if any(n in os.path.basename(p) for n in needles))
+
+
+GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|_mm_|matmul", re.I)
+
+
+def cublaslt_versions(paths) -> dict:
+    """``cublasLtGetVersion()`` of each mapped libcublasLt (e.g. 120905 = 12.9.5), or the error."""
+    import ctypes
+
+    out = {}
+    for p in paths:
+        if "libcublasLt" not in os.path.basename(p):
+            continue
+        try:
+            fn = ctypes.CDLL(p).cublasLtGetVersion
+            fn.restype = ctypes.c_size_t
+            out[p] = int(fn())
+        except Exception as e:  # noqa: BLE001
+            out[p] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def split_kernels(kernels, calls: int, top_n: int = 6) -> dict:
+    """``kernels``: (name, total device microseconds) over ``calls`` calls of one case. Returns milliseconds
+    per call: all kernels, the GEMMs (``GEMM_KERNEL`` names), the rest, and the ``top_n`` kernels."""
+    per = [(n, us / 1e3 / calls) for n, us in kernels if us > 0]
+    gemm = sum(ms for n, ms in per if GEMM_KERNEL.search(n))
+    total = sum(ms for _, ms in per)
+    return {"total_ms": round(total, 4), "gemm_ms": round(gemm, 4), "other_ms": round(total - gemm, 4),
+            "top": [{"ms": round(ms, 4), "kernel": n[:100]} for n, ms in sorted(per, key=lambda t: -t[1])[:top_n]]}
+
+
+def profile_case(fn, iters: int) -> dict:
+    """Device kernels of ``iters`` calls of ``fn`` (after one warm call), split by ``split_kernels``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False):
+            continue
+        t = getattr(e, "self_device_time_total", None)
+        kernels.append((e.key, getattr(e, "self_cuda_time_total", 0.0) if t is None else t))
+    return split_kernels(kernels, iters)
 
 
 def timed(fn, warmup: int, iters: int) -> float:
@@ -190,6 +246,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--profile", action="store_true",
+                    help="also split each Linear case's device time into GEMM and the rest (torch.profiler)")
+    ap.add_argument("--profile-iters", type=int, default=5)
     a = ap.parse_args()
     try:
         shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";") if s.strip()]
@@ -227,6 +286,11 @@ def main() -> int:
         cases, errors = linear_cases(M, N, K, dev, recipes)
         for name, fn in cases.items():
             row["linear_fwd_bwd_tflops"][name] = round(3 * flops / timed(fn, a.warmup, a.iters) / 1e12, 1)
+            if a.profile:
+                try:
+                    row.setdefault("linear_fwd_bwd_kernels", {})[name] = profile_case(fn, a.profile_iters)
+                except Exception as e:  # noqa: BLE001  (a profiler failure must not lose the timings)
+                    row.setdefault("linear_fwd_bwd_kernels", {})[name] = f"{type(e).__name__}: {e}"
         row["errors"] = errors
         rep["rows"].append(row)
         print(json.dumps(row), flush=True)
@@ -237,6 +301,13 @@ def main() -> int:
         rep["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
     except Exception as e:  # noqa: BLE001
         rep["transformer_engine"] = f"not importable: {type(e).__name__}"
+    try:  # the cuBLASLt / cuDNN versions TE's extension reports
+        import transformer_engine_torch as tex
+
+        rep["transformer_engine_libs"] = {f: getattr(tex, f)() for f in ("get_cublasLt_version",
+                                                                          "get_cudnn_version") if hasattr(tex, f)}
+    except Exception as e:  # noqa: BLE001
+        rep["transformer_engine_libs"] = f"not importable: {type(e).__name__}"
     try:
         import torchao
 
@@ -244,6 +315,7 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         rep["torchao"] = f"not importable: {type(e).__name__}"
     rep["libraries"] = mapped_libraries("libcublas", "libcublasLt", "libtransformer_engine", "libcudnn")
+    rep["cublaslt_versions"] = cublaslt_versions(rep["libraries"])
     dump()
     return 0
 

@@ -560,6 +560,9 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
               ("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
               ("attention", r"flash|fmha|cudnn|attention|sdpa"),
               ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|grouped_mm|matmul|_mm_|wgmma|magma|gemv|cublas"),
+              # FP8 recipes' quantisation (TE's cast/transpose/amax kernels, torchao's compiled amax/scale/cast);
+              # a bf16 step's share here is its own clamps, the noise floor of this group
+              ("fp8_quant", r"amax|float8|fp8|e4m3|cast_transpose|quantize|compute_scale|clamp"),
               ("optimizer", r"adam|multi_tensor|foreach|l2norm"),
               ("situ_triton", r"situ"),
               ("norm_reduce", r"reduce|norm|softmax|logsumexp"),

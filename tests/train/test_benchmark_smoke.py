@@ -266,3 +266,25 @@ def test_bench_gemm_fp8_math_and_refusal(root, tmp_path):
         r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_gemm_fp8.py"), "--out", str(out)],
                            capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
         assert r.returncode == 2 and "compute capability" in json.load(open(out))["error"], r.stderr[-500:]
+
+
+def test_bench_gemm_fp8_kernel_split(root):
+    """``--profile``'s split of a case's kernels into GEMM and the rest (what the issue's "why is FP8 slow" rests
+    on): cuBLAS/CUTLASS GEMM names count as GEMM, TE's and torchao's quantisation/transposes as the rest, per
+    call; and the cuBLASLt version probe reads a real library when this process maps one."""
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import bench_gemm_fp8 as b
+    finally:
+        sys.path.pop(0)
+    kernels = [("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128", 3000.0),
+               ("nvjet_qqtst_128x256_64x4_1x2_h_bz_coopA_NNT", 1500.0),
+               ("void transformer_engine::detail::cast_transpose_kernel<...>", 1200.0),
+               ("triton_red_fused__to_copy_abs_amax_clamp_div_0", 600.0),
+               ("void at::native::vectorized_elementwise_kernel<4, ...>", 300.0),
+               ("idle_marker", 0.0)]
+    s = b.split_kernels(kernels, calls=3, top_n=2)
+    assert s["gemm_ms"] == 1.5 and s["other_ms"] == 0.7 and s["total_ms"] == 2.2, s
+    assert [t["kernel"][:12] for t in s["top"]] == ["sm90_xmma_ge", "nvjet_qqtst_"], s
+    v = b.cublaslt_versions(["/nonexistent/libcublasLt.so.12", "/x/libcudnn.so"])
+    assert list(v) == ["/nonexistent/libcublasLt.so.12"] and "OSError" in v["/nonexistent/libcublasLt.so.12"], v
