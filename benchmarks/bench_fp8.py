@@ -22,8 +22,11 @@ between two identical bf16 runs.)
 Per recipe, from the trainer's ``metrics.jsonl``: the median ``step_time_s`` after ``--warmup`` steps,
 tokens/s, the loss every 10 steps, the mean loss of the last 20 steps, the device's peak memory
 (``max_memory_allocated_gib``), and against the first ``bf16``: ``speedup_vs_bf16`` and
-``final_loss_rel_diff_vs_bf16``. A recipe the machine cannot run is recorded with the trainer's one-line
-error (exit 2).
+``final_loss_rel_diff_vs_bf16``, and the trainer's start-up figures (``startup``: build, graph capture with
+its compiling and autotuning, first step). A recipe the machine cannot run is recorded with the trainer's
+one-line error (exit 2). ``--breakdown`` adds, per recipe, ``benchmarks/benchmark.py``'s profiled step of the
+same model and recipe (``breakdown``: device time by kernel kind, GEMM and FP8 quantisation apart, and idle
+time), the measured split that bounds what FP8 of the projections can gain.
 """
 import argparse
 import datetime
@@ -140,6 +143,9 @@ def run_recipe(recipe: str, args, store: str, run_dir: str, extra: list[str]) ->
         res["stderr_tail"] = (r.stderr or "")[-3000:]
         return res
     recs = [json.loads(ln) for ln in open(os.path.join(run_dir, "metrics.jsonl")) if ln.strip()]
+    # the trainer's start-up figures (imports, build, graph capture with its compiling and autotuning, first step):
+    # a cold machine spends minutes here per model, which is what a GPU call has to plan for
+    res["startup"] = {k.split("/", 1)[1]: v for x in recs for k, v in x.items() if k.startswith("startup/")}
     recs = [x for x in recs if "step" in x and "loss" in x]
     losses = [x["loss"] for x in recs]
     times = [x["step_time_s"] for x in recs[args.warmup:]] or [x["step_time_s"] for x in recs]
@@ -149,6 +155,40 @@ def run_recipe(recipe: str, args, store: str, run_dir: str, extra: list[str]) ->
                 "first_step_s": recs[0]["step_time_s"], "loss_every_10": losses[::10],
                 "final_loss_mean_last20": statistics.fmean(losses[-20:]),
                 "max_memory_allocated_gib": recs[-1].get("max_memory_allocated_gib")})
+    return res
+
+
+def save(rep: dict, out: str | None):
+    if out:
+        with open(out, "w") as f:
+            json.dump(rep, f, indent=1)
+
+
+def breakdown(recipe: str, args, run_dir: str) -> dict:
+    """``benchmarks/benchmark.py`` on the same model, micro-batch and recipe (``--baselines none``): it builds
+    the trainer from the same flags, times ``train_step`` and, on CUDA, profiles one step into device time by
+    kernel kind (``breakdown.by_kind_s``: GEMM, the FP8 quantisation kernels, KDA, attention, glue, ...) and the
+    device's idle gaps. This is the measured split of a recipe's step that the FP8 speed-up is bounded by."""
+    out = os.path.join(run_dir + "_breakdown.json")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark.py"), "--config", args.config,
+           "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+           "--baselines", "none", "--warmup", "3", "--steps", "5", "--out", out, "--seed", str(args.seed),
+           "--bf16"] + ([] if (args.no_graphs or args.smoke) else ["--cuda-graph-impl", "local"])
+    if recipe != "bf16":
+        cmd += ["--fp8-recipe", recipe]
+    t0 = time.time()
+    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
+    res = {"command": " ".join(cmd[1:]).replace(ROOT + "/", ""), "wall_s": round(time.time() - t0, 1)}
+    if r.returncode != 0 or not os.path.exists(out):
+        res["error"] = ((r.stderr or r.stdout).strip().splitlines() or [f"exit {r.returncode}"])[-1][:600]
+        return res
+    b = json.load(open(out))
+    bd = b.get("breakdown") or {}
+    res.update({"median_step_s": b.get("median_step_s"), "peak_memory_gib": b.get("peak_memory_gib"),
+                "device_busy_s": bd.get("device_busy_s"), "by_kind_s": bd.get("by_kind_s"),
+                "top_by_kind": {k: v[:3] for k, v in (bd.get("top_by_kind") or {}).items()},
+                "idle_s": (bd.get("idle_gaps") or {}).get("idle_s")})
     return res
 
 
@@ -170,6 +210,9 @@ def main():
                     help="add these recipes to the runs already in --out (several calls of one machine: the first "
                          "run's startup compiles and autotunes this model's kernels, ~7 min cold on an H100); each "
                          "run records its own date and device")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="after each recipe's run, benchmarks/benchmark.py's profiled step of the same model and "
+                         "recipe (device time by kernel kind; ~1 min a recipe on a warm GPU machine)")
     ap.add_argument("extra", nargs="*", help="after --: more trainer flags, for every recipe")
     args = ap.parse_args()
     if args.smoke:
@@ -225,9 +268,10 @@ def main():
             if name != "bf16" and "median_step_s" in x and "median_step_s" in base:
                 x["speedup_vs_bf16"] = base["median_step_s"] / x["median_step_s"]
                 x["final_loss_rel_diff_vs_bf16"] = x["final_loss_mean_last20"] / base["final_loss_mean_last20"] - 1
-        if args.out:  # after every recipe: a later timeout keeps what finished
-            with open(args.out, "w") as f:
-                json.dump(rep, f, indent=1)
+        save(rep, args.out)  # after every recipe: a later timeout keeps what finished
+        if args.breakdown and "error" not in r:
+            r["breakdown"] = breakdown(recipe, args, run_dir)
+            save(rep, args.out)
     print(json.dumps({k: v for k, v in rep.items() if k != "recipes"}, indent=1))
     for name, x in rep["recipes"].items():
         print(name, json.dumps({k: v for k, v in x.items() if k not in ("loss_every_10", "stderr_tail")}))

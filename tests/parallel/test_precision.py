@@ -266,13 +266,20 @@ def test_bench_fp8_smoke(root, tmp_path):
     # the FLOP split it reports: k3-tiny's projections are most, not all, of the model's FLOPs
     assert 0.3 < rep["fp8_eligible_fraction"] < 1 and rep["model_tflop_per_step"] > 0
     # --append: a later call adds its runs to the same JSON (same settings), numbered after the earlier ones
+    # (with --breakdown: benchmark.py's run of the same model and recipe, recorded beside the trainer's figures)
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_fp8.py"), "--smoke", "--recipes", "bf16",
-                        "--work", str(tmp_path / "w"), "--out", str(out), "--append"],
+                        "--work", str(tmp_path / "w"), "--out", str(out), "--append", "--breakdown"],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stderr[-2000:]
     rep2 = json.load(open(out))
     assert list(rep2["recipes"]) == list(rep["recipes"]) + ["bf16#3"] and len(rep2["commands"]) == 2
-    assert rep2["recipes"]["bf16#3"]["final_loss_mean_last20"] == b["final_loss_mean_last20"]
+    b3 = rep2["recipes"]["bf16#3"]
+    assert b3["final_loss_mean_last20"] == b["final_loss_mean_last20"]
+    bd = b3["breakdown"]
+    assert "error" not in bd and bd["median_step_s"] > 0, bd
+    assert "--config" in bd["command"] and "--baselines none" in bd["command"] and "--fp8-recipe" not in bd["command"]
+    # the trainer's start-up figures of each run (what a cold GPU machine spends before the first step)
+    assert b3["startup"]["startup_s"] > 0 and "graph_capture_s" in b3["startup"], b3["startup"]
 
 
 def test_synthetic_source(bench_module):
