@@ -288,3 +288,29 @@ def test_bench_gemm_fp8_kernel_split(root):
     assert [t["kernel"][:12] for t in s["top"]] == ["sm90_xmma_ge", "nvjet_qqtst_"], s
     v = b.cublaslt_versions(["/nonexistent/libcublasLt.so.12", "/x/libcudnn.so"])
     assert list(v) == ["/nonexistent/libcublasLt.so.12"] and "OSError" in v["/nonexistent/libcublasLt.so.12"], v
+
+
+def test_te_build_facts_fatbin_walk(root):
+    """benchmarks/te_build_facts.py's reading of a .nv_fatbin section (how TE's kernels were compiled): entries
+    are counted by kind and SM across several fat binaries, payload sizes are skipped exactly (a payload that
+    happens to contain the magic number is not read as a header)."""
+    import struct
+
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import te_build_facts as t
+    finally:
+        sys.path.pop(0)
+
+    def entry(kind, sm, payload):
+        head = struct.pack("<HHIQ", kind, 1, 64, len(payload)) + b"\0" * 12 + struct.pack("<I", sm)
+        return head + b"\0" * (64 - len(head)) + payload
+
+    def fat(*entries):
+        body = b"".join(entries)
+        return struct.pack("<IHHQ", t.FATBIN_MAGIC, 1, 16, len(body)) + body
+
+    trap = struct.pack("<I", t.FATBIN_MAGIC) + b"x" * 28  # a payload holding the magic number
+    blob = b"pad" + fat(entry(2, 90, b"a" * 10), entry(1, 90, trap), entry(2, 80, b"")) + fat(entry(2, 90, b"z"))
+    assert t.fatbin_entries(blob) == {"ELF sm_80": 1, "ELF sm_90": 2, "PTX sm_90": 1}
+    assert t.fatbin_entries(b"no fat binary here") == {}
