@@ -120,6 +120,13 @@ def flop_split(config_path: str, seq_length: int, tokens: int) -> dict:
             "fp8_eligible_fraction": 6 * eligible * tokens / step}
 
 
+def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
+    """A child process from the checkout root, the checkout put in front of PYTHONPATH (kept: on the GPU
+    machine it holds the carried packages)."""
+    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
+
+
 def run_recipe(recipe: str, args, store: str, run_dir: str, extra: list[str]) -> dict:
     """One trainer process with ``recipe``; its figures from metrics.jsonl (or its error line)."""
     cmd = [sys.executable, os.path.join(ROOT, "launchers", "pretrain_k3.py"), "--config", args.config,
@@ -133,8 +140,7 @@ def run_recipe(recipe: str, args, store: str, run_dir: str, extra: list[str]) ->
         cmd += ["--fp8-recipe", recipe]
     cmd += extra
     t0 = time.time()
-    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
+    r = run_child(cmd)
     res = {"command": " ".join(cmd[1:]).replace(ROOT + "/", ""), "wall_s": round(time.time() - t0, 1),
            "returncode": r.returncode}
     if r.returncode != 0:
@@ -164,21 +170,23 @@ def save(rep: dict, out: str | None):
             json.dump(rep, f, indent=1)
 
 
-def breakdown(recipe: str, args, run_dir: str) -> dict:
+def breakdown(recipe: str, args, store: str, run_dir: str) -> dict:
     """``benchmarks/benchmark.py`` on the same model, micro-batch and recipe (``--baselines none``): it builds
     the trainer from the same flags, times ``train_step`` and, on CUDA, profiles one step into device time by
     kernel kind (``breakdown.by_kind_s``: GEMM, the FP8 quantisation kernels, KDA, attention, glue, ...) and the
     device's idle gaps. This is the measured split of a recipe's step that the FP8 speed-up is bounded by."""
-    out = os.path.join(run_dir + "_breakdown.json")
+    out = run_dir + "_breakdown.json"
+    if os.path.exists(out):
+        os.remove(out)
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark.py"), "--config", args.config,
+           "--data-path", store,
            "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
            "--baselines", "none", "--warmup", "3", "--steps", "5", "--out", out, "--seed", str(args.seed),
            "--bf16"] + ([] if (args.no_graphs or args.smoke) else ["--cuda-graph-impl", "local"])
     if recipe != "bf16":
         cmd += ["--fp8-recipe", recipe]
     t0 = time.time()
-    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
+    r = run_child(cmd)
     res = {"command": " ".join(cmd[1:]).replace(ROOT + "/", ""), "wall_s": round(time.time() - t0, 1)}
     if r.returncode != 0 or not os.path.exists(out):
         res["error"] = ((r.stderr or r.stdout).strip().splitlines() or [f"exit {r.returncode}"])[-1][:600]
@@ -270,7 +278,7 @@ def main():
                 x["final_loss_rel_diff_vs_bf16"] = x["final_loss_mean_last20"] / base["final_loss_mean_last20"] - 1
         save(rep, args.out)  # after every recipe: a later timeout keeps what finished
         if args.breakdown and "error" not in r:
-            r["breakdown"] = breakdown(recipe, args, run_dir)
+            r["breakdown"] = breakdown(recipe, args, store, run_dir)
             save(rep, args.out)
     print(json.dumps({k: v for k, v in rep.items() if k != "recipes"}, indent=1))
     for name, x in rep["recipes"].items():
