@@ -181,7 +181,8 @@ def breakdown(recipe: str, args, store: str, run_dir: str) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "benchmark.py"), "--config", args.config,
            "--data-path", store,
            "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-           "--baselines", "none", "--warmup", "3", "--steps", "5", "--out", out, "--seed", str(args.seed),
+           "--baselines", "none", "--warmup", "1" if args.smoke else "3", "--steps", "2" if args.smoke else "5",
+           "--out", out, "--seed", str(args.seed),
            "--bf16"] + ([] if (args.no_graphs or args.smoke) else ["--cuda-graph-impl", "local"])
     if recipe != "bf16":
         cmd += ["--fp8-recipe", recipe]
