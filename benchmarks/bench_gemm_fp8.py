@@ -49,6 +49,7 @@ import statistics
 import sys
 
 import torch
+from benchmark import GEMM_KERNELS, kernel_device_us
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 DEFAULT_SHAPES = "8192,4096,4096;16384,4096,11264;16384,11264,4096"
@@ -64,7 +65,7 @@ def mapped_libraries(*needles: str) -> list:
     return sorted(p for p in paths if any(n in os.path.basename(p) for n in needles))
 
 
-GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|_mm_|matmul", re.I)
+GEMM_KERNEL = re.compile(GEMM_KERNELS, re.I)  # the same names benchmark.py's breakdown counts as GEMM
 
 
 def cublaslt_versions(paths) -> dict:
@@ -104,13 +105,7 @@ def profile_case(fn, iters: int) -> dict:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    kernels = []
-    for e in prof.key_averages():
-        if e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False):
-            continue
-        t = getattr(e, "self_device_time_total", None)
-        kernels.append((e.key, getattr(e, "self_cuda_time_total", 0.0) if t is None else t))
-    return split_kernels(kernels, iters)
+    return split_kernels([(e.key, kernel_device_us(e)) for e in prof.key_averages()], iters)
 
 
 def timed(fn, warmup: int, iters: int) -> float:

@@ -43,6 +43,9 @@ import time
 import torch  # noqa: E402
 
 H200_BF16_DENSE = 989e12
+# device kernels that are GEMMs (cuBLAS/cuBLASLt, CUTLASS, torch's grouped mm), by name: the breakdown's "gemm"
+# kind, and bench_gemm_fp8's split of a Linear's time into its GEMMs and the rest
+GEMM_KERNELS = r"gemm|nvjet|cutlass|sm90_xmma|grouped_mm|matmul|_mm_|wgmma|magma|gemv|cublas"
 
 
 def flops_per_token(cfg, seq_length, active_params):
@@ -559,7 +562,7 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
     groups = [("short_conv_fla", r"causal_conv1d"),
               ("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
               ("attention", r"flash|fmha|cudnn|attention|sdpa"),
-              ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|grouped_mm|matmul|_mm_|wgmma|magma|gemv|cublas"),
+              ("gemm", GEMM_KERNELS),
               # FP8 recipes' quantisation (TE's cast/transpose/amax kernels, torchao's compiled amax/scale/cast);
               # a bf16 step's share here is its own clamps, the noise floor of this group
               ("fp8_quant", r"amax|float8|fp8|e4m3|cast_transpose|quantize|compute_scale|clamp"),
