@@ -45,7 +45,12 @@ import torch  # noqa: E402
 H200_BF16_DENSE = 989e12
 # device kernels that are GEMMs (cuBLAS/cuBLASLt, CUTLASS, torch's grouped mm), by name: the breakdown's "gemm"
 # kind, and bench_gemm_fp8's split of a Linear's time into its GEMMs and the rest
-GEMM_KERNELS = r"gemm|nvjet|cutlass|sm90_xmma|grouped_mm|matmul|_mm_|wgmma|magma|gemv|cublas"
+# GEMM kernels by name (matched lower-case, with re.search). Inductor's pointwise/reduction kernels
+# (triton_poi_/triton_per_/triton_red_) are never GEMMs, though Inductor names them after the ops they feed:
+# torchao's compiled cast for a `_scaled_mm` is "triton_poi_fused__scaled_mm__to_copy_clamp_..." (H200,
+# 2026-12-07). Inductor's own GEMM templates are "triton_tem_" and stay GEMMs.
+GEMM_KERNELS = (r"^(?!triton_(?:poi|per|red)_).*(?:gemm|nvjet|cutlass|sm90_xmma|grouped_mm|matmul|_mm_|wgmma|"
+                r"magma|gemv|cublas)")
 
 
 def flops_per_token(cfg, seq_length, active_params):
@@ -550,6 +555,30 @@ def _gptmodel_run(cfg, B, S, M, device, dtype, batches, warmup, fusions: bool):
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
+# What a device kernel does, by its name: the first kind whose pattern matches (lower-case, re.search)
+KERNEL_KINDS = [("short_conv_fla", r"causal_conv1d"),
+                ("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|"
+                            r"chunk_local"),
+                ("attention", r"flash|fmha|cudnn|attention|sdpa"),
+                ("gemm", GEMM_KERNELS),
+                # FP8 recipes' quantisation (TE's cast/transpose/amax kernels, torchao's compiled amax/scale/cast);
+                # a bf16 step's share here is its own clamps, the noise floor of this group
+                ("fp8_quant", r"amax|abs_max|float8|fp8|e4m3|cast_transpose|quantize|compute_scale|clamp"),
+                ("optimizer", r"adam|multi_tensor|foreach|l2norm"),
+                ("situ_triton", r"situ"),
+                ("norm_reduce", r"reduce|norm|softmax|logsumexp"),
+                ("copy_cat", r"copy|cat|memcpy|memset|index|gather|scatter|fill"),
+                ("elementwise", r"elementwise|vectorized|unrolled|triton_")]
+
+
+def kernel_kind(name: str) -> str:
+    """The breakdown's kind of one device kernel (``KERNEL_KINDS``, in order; "other" when none matches)."""
+    import re
+
+    name = name.lower()
+    return next((k for k, rx in KERNEL_KINDS if re.search(rx, name)), "other")
+
+
 def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
     """Self device time of one profiled step, grouped by what the kernels do (names matched in order), with
     the ``top_n`` kernels of each kind (time and launch count) and the step's number of kernel launches.
@@ -557,29 +586,14 @@ def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
     and are left out (they would count the kernels inside them twice). ``top_ops``: the aten operators that
     launched the most device time, by input shapes (the profile records shapes; kernels replayed from a CUDA
     graph have no operator and are not in this list)."""
-    import re
-
-    groups = [("short_conv_fla", r"causal_conv1d"),
-              ("kda_fla", r"chunk_kda|chunk_gated|kda|fused_recurrent|solve_tril|wy_|chunk_fwd|chunk_bwd|chunk_local"),
-              ("attention", r"flash|fmha|cudnn|attention|sdpa"),
-              ("gemm", GEMM_KERNELS),
-              # FP8 recipes' quantisation (TE's cast/transpose/amax kernels, torchao's compiled amax/scale/cast);
-              # a bf16 step's share here is its own clamps, the noise floor of this group
-              ("fp8_quant", r"amax|float8|fp8|e4m3|cast_transpose|quantize|compute_scale|clamp"),
-              ("optimizer", r"adam|multi_tensor|foreach|l2norm"),
-              ("situ_triton", r"situ"),
-              ("norm_reduce", r"reduce|norm|softmax|logsumexp"),
-              ("copy_cat", r"copy|cat|memcpy|memset|index|gather|scatter|fill"),
-              ("elementwise", r"elementwise|vectorized|unrolled|triton_")]
-    out = {k: 0.0 for k, _ in groups}
+    out = {k: 0.0 for k, _ in KERNEL_KINDS}
     out["other"] = 0.0
     kernels = {k: [] for k in out}  # kind -> [(seconds, calls, name)]
     for e in prof.key_averages():
         t = kernel_device_us(e)
         if not t:
             continue
-        name = e.key.lower()
-        kind = next((k for k, rx in groups if re.search(rx, name)), "other")
+        kind = kernel_kind(e.key)
         out[kind] += t / 1e6
         kernels[kind].append((t / 1e6, e.count, e.key[:90]))
     total = sum(out.values())

@@ -275,16 +275,26 @@ def test_bench_gemm_fp8_kernel_split(root):
     sys.path.insert(0, os.path.join(root, "benchmarks"))
     try:
         import bench_gemm_fp8 as b
+        from benchmark import kernel_kind
     finally:
         sys.path.pop(0)
     kernels = [("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128", 3000.0),
                ("nvjet_qqtst_128x256_64x4_1x2_h_bz_coopA_NNT", 1500.0),
                ("void transformer_engine::detail::cast_transpose_kernel<...>", 1200.0),
                ("triton_red_fused__to_copy_abs_amax_clamp_div_0", 600.0),
+               # Inductor names torchao's compiled cast after the `_scaled_mm` it feeds (H200, 2026-12-07): a cast
+               ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_t_3", 600.0),
                ("void at::native::vectorized_elementwise_kernel<4, ...>", 300.0),
                ("idle_marker", 0.0)]
     s = b.split_kernels(kernels, calls=3, top_n=2)
-    assert s["gemm_ms"] == 1.5 and s["other_ms"] == 0.7 and s["total_ms"] == 2.2, s
+    assert s["gemm_ms"] == 1.5 and s["other_ms"] == 0.9 and s["total_ms"] == 2.4, s
+    # the step breakdown's kinds use the same names: Inductor's pointwise/reduction kernels are never GEMMs
+    # (its GEMM templates, triton_tem_, are), torchao's amax and casts are FP8 quantisation
+    kinds = {n: kernel_kind(n) for n in ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_t_3",
+                                           "triton_red_fused_abs_max_view_0", "triton_tem_fused_mm_0",
+                                           "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT",
+                                           "void at::native::vectorized_elementwise_kernel<8, add>")}
+    assert list(kinds.values()) == ["fp8_quant", "fp8_quant", "gemm", "gemm", "elementwise"], kinds
     assert [t["kernel"][:12] for t in s["top"]] == ["sm90_xmma_ge", "nvjet_qqtst_"], s
     v = b.cublaslt_versions(["/nonexistent/libcublasLt.so.12", "/x/libcudnn.so"])
     assert list(v) == ["/nonexistent/libcublasLt.so.12"] and "OSError" in v["/nonexistent/libcublasLt.so.12"], v
@@ -314,3 +324,44 @@ def test_te_build_facts_fatbin_walk(root):
     blob = b"pad" + fat(entry(2, 90, b"a" * 10), entry(1, 90, trap), entry(2, 80, b"")) + fat(entry(2, 90, b"z"))
     assert t.fatbin_entries(blob) == {"ELF sm_80": 1, "ELF sm_90": 2, "PTX sm_90": 1}
     assert t.fatbin_entries(b"no fat binary here") == {}
+
+
+def test_fp8_ceiling_amdahl(root, tmp_path):
+    """benchmarks/fp8_ceiling.py: the prediction and ceilings that the FP8 docs quote follow Amdahl's law on the
+    bf16 step's profiled GEMM time, the eligible fraction and the per-case Linear speed-ups (compiled for
+    torchao), and a bf16 run without a breakdown is refused."""
+    runs = {"device": "GPU", "fp8_eligible_fraction": 0.5, "recipes": {
+        "bf16": {"median_step_s": 1.0, "final_loss_mean_last20": 2.0,
+                 "breakdown": {"median_step_s": 1.0, "device_busy_s": 0.9, "idle_s": 0.1,
+                               "by_kind_s": {"gemm": 0.8}}},
+        "torchao-tensorwise": {"median_step_s": 0.8, "final_loss_mean_last20": 2.02}}}
+    k = lambda ms: {"total_ms": ms}  # noqa: E731
+    gemm = {"device": "GPU", "rows": [
+        {"linear_fwd_bwd_kernels": {"torch_bf16": k(3.0), "torchao-tensorwise_compiled": k(1.0),
+                                    "torchao-tensorwise_eager": k(9.0)}},
+        {"linear_fwd_bwd_kernels": {"torch_bf16": k(1.0), "torchao-tensorwise_compiled": k(1.0)}}]}
+    (tmp_path / "r.json").write_text(json.dumps(runs))
+    (tmp_path / "g.json").write_text(json.dumps(gemm))
+    out = tmp_path / "c.json"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "fp8_ceiling.py"), "--runs", str(tmp_path / "r.json"),
+           "--gemm", str(tmp_path / "g.json"), "--target", "1.3", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    c = json.load(open(out))
+    assert c["eligible_gemm_s"] == 0.4
+    tw = c["recipes"]["torchao-tensorwise"]
+    # (3 + 1) ms of bf16 over (1 + 1) ms compiled: r = 2; step 1 - 0.4 * (1 - 1/2) = 0.8
+    assert tw["linear_speedup"] == 2.0 and abs(tw["predicted_step_s"] - 0.8) < 1e-12
+    assert tw["measured_ratio"] == 1.25 and abs(tw["loss_vs_bf16"] - 0.01) < 1e-12
+    ce = c["ceilings"]
+    assert abs(ce["eligible_at_peak_ratio"] - 1.25) < 1e-12 and abs(ce["all_gemm_at_peak_ratio"] - 1 / 0.6) < 1e-12
+    # 1.3x needs 1 - 1/1.3 = 0.2308 s off: from 0.4 s of eligible GEMM that is r = 1 / (1 - 0.2308 / 0.4)
+    assert abs(ce["speedup_needed_on_eligible"] - 1 / (1 - (1 - 1 / 1.3) / 0.4)) < 1e-12
+    runs["fp8_eligible_fraction"] = 0.2  # 0.16 s eligible: even free GEMMs give 1/0.84 = 1.19x < 1.3x
+    (tmp_path / "r.json").write_text(json.dumps(runs))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert json.load(open(out))["ceilings"]["speedup_needed_on_eligible"] is None
+    del runs["recipes"]["bf16"]["breakdown"]
+    (tmp_path / "r.json").write_text(json.dumps(runs))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--breakdown" in r.stderr, r.stderr
