@@ -108,6 +108,40 @@ def profile_case(fn, iters: int) -> dict:
     return split_kernels([(e.key, kernel_device_us(e)) for e in prof.key_averages()], iters)
 
 
+def device_tflops(row: dict) -> dict:
+    """Per profiled Linear case of one shape: TFLOP/s of its fwd+bwd from the device time of its kernels alone
+    (``linear_fwd_bwd_kernels[case].total_ms``). Unlike ``linear_fwd_bwd_tflops`` (CUDA events around each
+    call), the host's time to issue a call does not count: where the two differ, the case is host-bound at that
+    shape when run eagerly, which a CUDA graph (the trainer's layer graphs) removes."""
+    flops = 3 * 2 * row["M"] * row["N"] * row["K"]
+    return {case: round(flops / (k["total_ms"] / 1e3) / 1e12, 1)
+            for case, k in (row.get("linear_fwd_bwd_kernels") or {}).items()
+            if isinstance(k, dict) and k.get("total_ms")}
+
+
+def summarize(rep: dict) -> str:
+    """A Markdown table of a JSON this script wrote: per shape and Linear case, timed TFLOP/s, device-time
+    TFLOP/s and the device time per call split into GEMM and the rest (milliseconds); the GEMM-only figures
+    first."""
+    out = []
+    for row in rep.get("rows", []):
+        out.append(f"M x N x K = {row['M']} x {row['N']} x {row['K']}: GEMM only, TFLOP/s: "
+                   + ", ".join(f"{k} {v}" for k, v in row["gemm_tflops"].items()))
+        out.append("")
+        out.append("| Linear fwd+bwd | timed TFLOP/s | device TFLOP/s | device ms / call | GEMM ms | other ms |")
+        out.append("|---|---|---|---|---|---|")
+        dev = device_tflops(row)
+        kern = row.get("linear_fwd_bwd_kernels") or {}
+        for case, t in row["linear_fwd_bwd_tflops"].items():
+            k = kern.get(case) if isinstance(kern.get(case), dict) else {}
+            out.append(f"| {case} | {t} | {dev.get(case, '')} | {k.get('total_ms', '')} | {k.get('gemm_ms', '')} "
+                       f"| {k.get('other_ms', '')} |")
+        for case, err in (row.get("errors") or {}).items():
+            out.append(f"| {case} | refused: {err} | | | | |")
+        out.append("")
+    return "\n".join(out)
+
+
 def timed(fn, warmup: int, iters: int) -> float:
     """Median seconds of ``fn()`` over ``iters`` calls, each between two CUDA events."""
     for _ in range(warmup):
@@ -244,7 +278,13 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also split each Linear case's device time into GEMM and the rest (torch.profiler)")
     ap.add_argument("--profile-iters", type=int, default=5)
+    ap.add_argument("--summarize", metavar="JSON",
+                    help="print the Markdown table of a JSON this script wrote (no GPU needed) and exit")
     a = ap.parse_args()
+    if a.summarize:
+        with open(a.summarize) as f:
+            print(summarize(json.load(f)))
+        return 0
     try:
         shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";") if s.strip()]
         assert shapes and all(len(s) == 3 and min(s) > 0 for s in shapes)
@@ -286,6 +326,8 @@ def main() -> int:
                     row.setdefault("linear_fwd_bwd_kernels", {})[name] = profile_case(fn, a.profile_iters)
                 except Exception as e:  # noqa: BLE001  (a profiler failure must not lose the timings)
                     row.setdefault("linear_fwd_bwd_kernels", {})[name] = f"{type(e).__name__}: {e}"
+        if a.profile:
+            row["linear_fwd_bwd_device_tflops"] = device_tflops(row)
         row["errors"] = errors
         rep["rows"].append(row)
         print(json.dumps(row), flush=True)

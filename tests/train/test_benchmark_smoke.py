@@ -296,6 +296,14 @@ def test_bench_gemm_fp8_kernel_split(root):
                                            "void at::native::vectorized_elementwise_kernel<8, add>")}
     assert list(kinds.values()) == ["fp8_quant", "fp8_quant", "gemm", "gemm", "elementwise"], kinds
     assert [t["kernel"][:12] for t in s["top"]] == ["sm90_xmma_ge", "nvjet_qqtst_"], s
+    # device-time TFLOP/s of a profiled case (3 GEMMs of 2*M*N*K in total_ms) and the --summarize table
+    row = {"M": 1000, "N": 1000, "K": 1000, "gemm_tflops": {"bf16": 1.0}, "linear_fwd_bwd_tflops": {"a": 2.0, "b": 3.0},
+           "linear_fwd_bwd_kernels": {"a": {"total_ms": 0.006, "gemm_ms": 0.005, "other_ms": 0.001},
+                                      "b": "RuntimeError: profiler"}, "errors": {"te_mxfp8": "needs 10.0"}}
+    assert b.device_tflops(row) == {"a": 1000.0}, b.device_tflops(row)
+    table = b.summarize({"rows": [row]}).splitlines()
+    assert "| a | 2.0 | 1000.0 | 0.006 | 0.005 | 0.001 |" in table and "| b | 3.0 |  |  |  |  |" in table, table
+    assert any(t.startswith("| te_mxfp8 | refused: needs 10.0") for t in table), table
     v = b.cublaslt_versions(["/nonexistent/libcublasLt.so.12", "/x/libcudnn.so"])
     assert list(v) == ["/nonexistent/libcublasLt.so.12"] and "OSError" in v["/nonexistent/libcublasLt.so.12"], v
 
