@@ -7,11 +7,11 @@ K3_GPU_MEM_GIB=80
 K3_DEFAULT_PRESET=k3-mini
 K3_DEFAULT_SAVE_INTERVAL=1000
 K3_DEFAULT_CKPT_WRITER=odirect
-# FP8 on Hopper: blockwise (Transformer Engine) or torchao-tensorwise / torchao-rowwise (torchao, works with
-# --cuda-graph-impl local); empty = bf16 (pretrain_k3.sh passes --fp8-recipe
-# only when this is set). Measured at hidden 4096: blockwise 0.93-1.05x bf16 (H200), torchao-rowwise 0.975x (H100);
-# benchmarks/README.md, FP8.
-K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # blockwise to enable
+# FP8 on Hopper: torchao-tensorwise (torchao; works with --cuda-graph-impl local); empty = bf16 (pretrain_k3.sh
+# passes --fp8-recipe only when this is set). Measured at hidden 4096 through the trainer: torchao-tensorwise 1.15x
+# bf16 (H200, 2026-12-07), torchao-rowwise 0.975x (H100) and 1.03x (H200), TE blockwise 0.93-1.05x (H200, older
+# harness); benchmarks/README.md, FP8.
+K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # torchao-tensorwise to enable
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
 # Layout flags for (preset, nodes), from tools/plan_layout.py --gpu h100:

@@ -7,7 +7,9 @@ K3_GPU_MEM_GIB=140
 K3_DEFAULT_PRESET=k3-mini
 K3_DEFAULT_SAVE_INTERVAL=1000
 K3_DEFAULT_CKPT_WRITER=odirect
-K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # Hopper: blockwise or torchao-rowwise (0.93-1.05x bf16 measured)
+# FP8 on Hopper: torchao-tensorwise (1.15x bf16 tokens/s, loss after 200 steps +0.01%, hidden 4096, layer graphs,
+# this GPU, 2026-12-07; benchmarks/README.md, FP8); empty = bf16 (pretrain_k3.sh passes --fp8-recipe only when set)
+K3_FP8_RECIPE=${K3_FP8_RECIPE:-}                # torchao-tensorwise to enable
 K3_EXTRA_ARGS=${K3_EXTRA_ARGS-"--bf16"}
 
 # k3-mini, 1 node: TP1 PP1 EP8 DP8, micro-batch 4: peak 58.0 GiB (the 1-GPU benchmark setting with the
