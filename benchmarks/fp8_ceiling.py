@@ -19,7 +19,9 @@ With ``T`` the bf16 trainer's median step, an FP8 recipe that makes the eligible
 and changes nothing else gives ``T' = T - E (1 - 1/r)``. The script prints, per recipe, that prediction
 beside the measured ratio, and the ceilings: ``r = 2`` (Hopper's dense FP8 peak is twice its bf16 peak, the
 datasheets' 1,979 vs 989 TFLOP/s) on the eligible GEMMs and on every GEMM, and the ``r`` a ``--target`` ratio
-needs (``null`` when even infinitely fast eligible GEMMs would not reach it).
+needs (``null`` when even infinitely fast eligible GEMMs would not reach it); per recipe, the share of the bf16 step
+its eligible GEMMs would need for the target at its measured ``r`` (``eligible_share_needed``, against this
+model's ``eligible_share_of_step``).
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ def analyse(runs: list, gemm: dict, target: float) -> dict:
            "bf16_step_s": t, "bf16_profiled_step_s": b["breakdown"]["median_step_s"],
            "bf16_device_busy_s": b["breakdown"]["device_busy_s"], "bf16_idle_s": b["breakdown"].get("idle_s"),
            "gemm_s": g, "gemm_share_of_step": g / t, "fp8_eligible_fraction": fraction, "eligible_gemm_s": e,
+           "eligible_share_of_step": e / t,
            "linear_fwd_bwd_device_speedup": {k: round(v, 4) for k, v in speed.items()},
            "target": target,
            "ceilings": {
@@ -103,7 +106,10 @@ def analyse(runs: list, gemm: dict, target: float) -> dict:
         r = speed.get(case_of(name))
         if r:
             row.update(linear_speedup=r, predicted_step_s=step_after(t, e, r),
-                       predicted_ratio=t / step_after(t, e, r))
+                       predicted_ratio=t / step_after(t, e, r),
+                       # the share of the bf16 step the eligible GEMMs would need for --target at this r (any
+                       # model): (1 - 1/target) / (1 - 1/r); None when r <= 1
+                       eligible_share_needed=((1 - 1 / target) / (1 - 1 / r)) if r > 1 else None)
         if "breakdown" in rec:
             row["breakdown_by_kind_s"] = rec["breakdown"]["by_kind_s"]
         out["recipes"][name] = row

@@ -361,6 +361,8 @@ def test_fp8_ceiling_amdahl(root, tmp_path):
     # (3 + 1) ms of bf16 over (1 + 1) ms compiled: r = 2; step 1 - 0.4 * (1 - 1/2) = 0.8
     assert tw["linear_speedup"] == 2.0 and abs(tw["predicted_step_s"] - 0.8) < 1e-12
     assert tw["measured_ratio"] == 1.25 and abs(tw["loss_vs_bf16"] - 0.01) < 1e-12
+    # at r = 2, 1.3x needs the eligible GEMMs to be (1 - 1/1.3) / (1 - 1/2) of the step; this model has 0.4
+    assert abs(tw["eligible_share_needed"] - (1 - 1 / 1.3) / 0.5) < 1e-12 and c["eligible_share_of_step"] == 0.4
     ce = c["ceilings"]
     assert abs(ce["eligible_at_peak_ratio"] - 1.25) < 1e-12 and abs(ce["all_gemm_at_peak_ratio"] - 1 / 0.6) < 1e-12
     # 1.3x needs 1 - 1/1.3 = 0.2308 s off: from 0.4 s of eligible GEMM that is r = 1 / (1 - 0.2308 / 0.4)
