@@ -43,9 +43,9 @@ import time
 import torch  # noqa: E402
 
 H200_BF16_DENSE = 989e12
-# device kernels that are GEMMs (cuBLAS/cuBLASLt, CUTLASS, torch's grouped mm), by name: the breakdown's "gemm"
-# kind, and bench_gemm_fp8's split of a Linear's time into its GEMMs and the rest
-# GEMM kernels by name (matched lower-case, with re.search). Inductor's pointwise/reduction kernels
+# device kernels that are GEMMs (cuBLAS/cuBLASLt, CUTLASS, torch's grouped mm), by name (lower-case, re.search):
+# the breakdown's "gemm" kind, and bench_gemm_fp8's split of a Linear's time into its GEMMs and the rest.
+# Inductor's pointwise/reduction kernels
 # (triton_poi_/triton_per_/triton_red_) are never GEMMs, though Inductor names them after the ops they feed:
 # torchao's compiled cast for a `_scaled_mm` is "triton_poi_fused__scaled_mm__to_copy_clamp_..." (H200,
 # 2026-12-07). Inductor's own GEMM templates are "triton_tem_" and stay GEMMs.
