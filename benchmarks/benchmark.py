@@ -676,13 +676,17 @@ def idle_gaps(kernels, ranges, launches=None, top_n: int = 12) -> dict:
 
 def profile_intervals(prof):
     """(kernels, ranges, launches) for ``idle_gaps`` from a finished ``torch.profiler.profile``: each kernel
-    with the correlation id of the host call that launched it (``linked_correlation_id``), and those host
-    calls (``cudaLaunchKernel``, ``cudaGraphLaunch``, ``cuLaunchKernelEx``, ...) by correlation id."""
+    with the correlation id of the host call that launched it, and those host calls (``cudaLaunchKernel``,
+    ``cudaGraphLaunch``, ``cuLaunchKernelEx``, ...) by correlation id. A device event's ``id`` is its CUPTI
+    correlation id, the same as the runtime call that launched it (for a graph replay, the ``cudaGraphLaunch``).
+    (``linked_correlation_id``, the CPU operator's id, is not used: ``FunctionEvent`` gained it in 2026,
+    pytorch PR #177662, and the 2026-12-04 profile on the lent machines' torch 2.11 had every gap's cause
+    ``unknown``, which is what a missing attribute gives.)"""
     kernels, ranges, cpu = [], [], {}
     for e in prof.events():
         tr = e.time_range
         if is_device_kernel(e, e.name):
-            kernels.append((tr.start, tr.end, e.name, getattr(e, "linked_correlation_id", 0) or None))
+            kernels.append((tr.start, tr.end, e.name, e.id or None))
         elif e.device_type.name != "CUDA":
             if e.name.startswith("k3."):
                 ranges.append((tr.start, tr.end, e.name))

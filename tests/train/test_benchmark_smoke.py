@@ -197,6 +197,26 @@ def test_profile_intervals_reads_the_phase_ranges(bench_module):
     assert [n for _, _, n in ranges] == ["k3.forward"] and ranges[0][1] > ranges[0][0]
 
 
+def test_profile_intervals_links_kernels_to_their_launch_call(bench_module):
+    """Each kernel's launch id is its own correlation id, which is its runtime call's (a graph replay's kernels
+    share the ``cudaGraphLaunch``'s); on an id clash with a CPU operator the runtime call wins. Events have no
+    ``linked_correlation_id`` here, as in torch 2.11's ``FunctionEvent``."""
+    from types import SimpleNamespace as NS
+
+    cuda, cpu = NS(name="CUDA"), NS(name="CPU")
+    def ev(dev, name, i, a, b):
+        return NS(device_type=dev, name=name, id=i, time_range=NS(start=a, end=b), is_user_annotation=False)
+
+    events = [ev(cpu, "aten::mm", 7, 0.0, 1.0), ev(cpu, "cudaGraphLaunch", 7, 2.0, 3.0),
+              ev(cpu, "cudaLaunchKernel", 9, 4.0, 5.0), ev(cpu, "k3.forward", 11, 0.0, 50.0),
+              ev(cuda, "nvjet_a", 7, 10.0, 20.0), ev(cuda, "triton_b", 7, 21.0, 30.0),
+              ev(cuda, "elementwise", 9, 31.0, 40.0)]
+    kernels, ranges, launches = bench_module("benchmark").profile_intervals(NS(events=lambda: events))
+    assert [(k[2], k[3]) for k in kernels] == [("nvjet_a", 7), ("triton_b", 7), ("elementwise", 9)]
+    assert launches == {7: (2.0, "cudaGraphLaunch"), 9: (4.0, "cudaLaunchKernel")}
+    assert ranges == [(0.0, 50.0, "k3.forward")]
+
+
 def test_device_ranges_are_not_kernels(bench_module):
     """Annotation ranges on the device timeline (``Optimizer.step#...``, the ``k3.*`` phases) are not counted
     as kernels by the breakdown or the idle analysis; kernels and copies are."""
