@@ -85,7 +85,7 @@ def cublaslt_versions(paths) -> dict:
     return out
 
 
-def split_kernels(kernels, calls: int, top_n: int = 6) -> dict:
+def split_kernels(kernels, calls: int, top_n: int = 12) -> dict:
     """``kernels``: (name, total device microseconds) over ``calls`` calls of one case. Returns milliseconds
     per call: all kernels, the GEMMs (``GEMM_KERNEL`` names), the rest, and the ``top_n`` kernels."""
     per = [(n, us / 1e3 / calls) for n, us in kernels if us > 0]

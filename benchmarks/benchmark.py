@@ -579,7 +579,7 @@ def kernel_kind(name: str) -> str:
     return next((k for k, rx in KERNEL_KINDS if re.search(rx, name)), "other")
 
 
-def kernel_breakdown(prof, top_n: int = 6, top_ops: int = 25) -> dict:
+def kernel_breakdown(prof, top_n: int = 10, top_ops: int = 25) -> dict:
     """Self device time of one profiled step, grouped by what the kernels do (names matched in order), with
     the ``top_n`` kernels of each kind (time and launch count) and the step's number of kernel launches.
     Profiler ranges shown on the device timeline (``Optimizer.step#...``: user annotations) are not kernels
