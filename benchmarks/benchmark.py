@@ -82,6 +82,11 @@ def build_parser():
                    help="comma list of same-run baselines: seed, seed_compiledconv (the seed with the compiled short "
                         "convolutions instead of fla's), gptmodel, k3eager (this K3 model again without layer "
                         "graphs; with --cuda-graph-impl local), or none")
+    b.add_argument("--seed-micro-batch-size", type=int, default=None,
+                   help="micro-batch size of the seed baselines (default: the trainer's). They regroup the K3 run's "
+                        "tokens of each step into micro-batches of this size: the same tokens and global batch, each "
+                        "model at the largest micro-batch that fits (the seed fits micro-batch 8 on an H200, "
+                        "the K3 model may fit more)")
     b.add_argument("--no-trainer-loop", action="store_true",
                    help="skip the trainer's own loop (Trainer.fit) before the timed train_step series")
     b.add_argument("--watchdog", type=float, default=None,
@@ -141,6 +146,7 @@ def main():
     from megatron_k3.train.trainer import Trainer
 
     job = job_from(ns, world)
+    seed_b = check_seed_micro_batch(ns, job, world)  # before the K3 run: a bad value costs no device time
     trainer = friendly_errors(lambda: Trainer(job))()
     cfg, layout = trainer.cfg, trainer.layout
     B, S, M = job.train.micro_batch_size, cfg.seq_length, trainer.num_micro
@@ -176,7 +182,11 @@ def main():
                 fn = {"seed": seed_baseline, "seed_compiledconv": seed_baseline, "gptmodel": gptmodel_baseline}[name]
                 change = {"short_conv": "compiled"} if name == "seed_compiledconv" else {}
                 with perf.using(**change):
-                    baselines[name] = fn(cfg, B, S, M, device, dtype, batches, ns.warmup)
+                    if name.startswith("seed") and seed_b != B:
+                        baselines[name] = fn(cfg, seed_b, S, M * B // seed_b, device, dtype,
+                                             regroup(batches, seed_b), ns.warmup)
+                    else:
+                        baselines[name] = fn(cfg, B, S, M, device, dtype, batches, ns.warmup)
                 from megatron.core import parallel_state as ps
 
                 ps.destroy_model_parallel()
@@ -314,6 +324,33 @@ def progress(msg: str):
     """One timestamped line on stderr (the JSON report goes to stdout)."""
     r = f" rank {os.environ.get('RANK', '0')}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     print(f"[benchmark{r} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def check_seed_micro_batch(ns, job, world: int) -> int:
+    """The seed baselines' micro-batch size (``--seed-micro-batch-size``, default the trainer's); exits with one
+    error line when it does not divide the tokens a rank takes per step."""
+    b = ns.seed_micro_batch_size or job.train.micro_batch_size
+    if "seed" not in ns.baselines:
+        return b
+    tp, pp, cp = (job.parallel.tensor_model_parallel_size, job.parallel.pipeline_model_parallel_size,
+                  job.parallel.context_parallel_size)
+    per_rank = job.train.global_batch_size // max(1, world // (tp * pp * cp))
+    if b <= 0 or per_rank % b:
+        print(f"error: --seed-micro-batch-size {b} must be positive and divide the {per_rank} sequences a rank "
+              f"takes per step (global batch {job.train.global_batch_size})", file=sys.stderr)
+        sys.exit(2)
+    return b
+
+
+def regroup(batches, b: int):
+    """Each step's micro-batches (lists of (tokens, labels) [B, S]) as micro-batches of ``b`` sequences: the same
+    tokens in the same order, so a baseline at another micro-batch size trains on exactly the K3 run's data."""
+    out = []
+    for micro in batches:
+        tok = torch.cat([t for t, _ in micro])
+        lab = torch.cat([y for _, y in micro])
+        out.append(list(zip(tok.split(b), lab.split(b))))
+    return out
 
 
 def random_batches(vocab: int, B: int, S: int, M: int, n: int, seed: int = 0):
@@ -738,7 +775,7 @@ def seed_baseline(cfg, B, S, M, device, dtype, batches, warmup):
 
     glue = "compiled glue (AttnRes, norms, gates, short convs)" if perf.current().compile != "off" else "eager"
     return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
-                    f"fused AdamW, {glue}", "step_times_s": times, "median_step_s": statistics.median(times),
+                    f"fused AdamW, {glue}", "micro_batch_size": B, "num_microbatches": M, "step_times_s": times, "median_step_s": statistics.median(times),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
 
 

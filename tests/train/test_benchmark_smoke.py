@@ -11,7 +11,7 @@ def test_benchmark_smoke(root, tmp_path):
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "benchmark.py"), "--smoke", "--global-batch-size",
                         "4", "--baselines", "seed,seed_compiledconv,gptmodel", "--attn-res-impl", "compiled",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                        "--seed-micro-batch-size", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29688"))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(out))
@@ -32,6 +32,45 @@ def test_benchmark_smoke(root, tmp_path):
         assert "error" not in b, b
         assert len(b["step_times_s"]) == 2 and rep[f"speedup_vs_{name}"] > 0
         assert abs(b["tokens_per_s"] * b["median_step_s"] - 2 * 2 * 128) < 1e-6
+    # the seeds at their own micro-batch size (--seed-micro-batch-size 1): the same 4 sequences a step
+    for name in ("seed", "seed_compiledconv"):
+        assert (rep["baselines"][name]["micro_batch_size"], rep["baselines"][name]["num_microbatches"]) == (1, 4)
+
+
+def _benchmark_module(root):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k3_benchmark", os.path.join(root, "benchmarks", "benchmark.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_seed_regroup_keeps_tokens(root):
+    """``regroup``: a step's micro-batches of 4 as micro-batches of 2 and of 8 hold the same rows in the same order."""
+    import torch
+
+    bm = _benchmark_module(root)
+    g = torch.Generator().manual_seed(0)
+    steps = [[(torch.randint(0, 99, (4, 5), generator=g), torch.randint(0, 99, (4, 5), generator=g))
+              for _ in range(2)] for _ in range(3)]
+    for b, n in ((2, 4), (8, 1), (4, 2)):
+        out = bm.regroup(steps, b)
+        assert [len(m) for m in out] == [n] * 3
+        for before, after in zip(steps, out):
+            assert all(t.shape == (b, 5) and y.shape == (b, 5) for t, y in after)
+            assert torch.equal(torch.cat([t for t, _ in before]), torch.cat([t for t, _ in after]))
+            assert torch.equal(torch.cat([y for _, y in before]), torch.cat([y for _, y in after]))
+
+
+def test_seed_micro_batch_refused_up_front(root):
+    """A seed micro-batch that does not divide a rank's sequences per step is one error line, before any model."""
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "benchmark.py"), "--smoke", "--global-batch-size",
+                        "4", "--baselines", "seed", "--seed-micro-batch-size", "3"], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=root, MASTER_PORT="29689"))
+    assert r.returncode == 2 and "error: --seed-micro-batch-size 3 must be positive and divide the 4 sequences" \
+        in r.stderr, r.stderr[-2000:]
+    assert "[benchmark" not in r.stderr, r.stderr[-2000:]  # refused before the harness's first progress line
 
 
 def test_gpu_tools_import(root):
