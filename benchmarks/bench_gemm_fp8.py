@@ -267,6 +267,32 @@ def linear_cases(M: int, N: int, K: int, dev, te_recipes) -> tuple[dict, dict]:
     return cases, errors
 
 
+def record_environment(rep: dict) -> None:
+    """TE, torchao and the cuBLAS/cuBLASLt/TE/cuDNN libraries this process has mapped, with their versions: once
+    before the rows (a call that runs out of time keeps them) and again at the end (what the cases loaded)."""
+    try:
+        import transformer_engine
+
+        rep["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        rep["transformer_engine"] = f"not importable: {type(e).__name__}"
+    try:  # the cuBLASLt / cuDNN versions TE's extension reports
+        import transformer_engine_torch as tex
+
+        rep["transformer_engine_libs"] = {f: getattr(tex, f)() for f in ("get_cublasLt_version",
+                                                                          "get_cudnn_version") if hasattr(tex, f)}
+    except Exception as e:  # noqa: BLE001
+        rep["transformer_engine_libs"] = f"not importable: {type(e).__name__}"
+    try:
+        import torchao
+
+        rep["torchao"] = getattr(torchao, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        rep["torchao"] = f"not importable: {type(e).__name__}"
+    rep["libraries"] = mapped_libraries("libcublas", "libcublasLt", "libtransformer_engine", "libcudnn")
+    rep["cublaslt_versions"] = cublaslt_versions(rep["libraries"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="';'-separated M,N,K (tokens, out, in features)")
@@ -313,6 +339,8 @@ def main() -> int:
     dev = torch.device("cuda")
     rep["device"] = torch.cuda.get_device_name()
     rep["rows"] = []
+    record_environment(rep)
+    dump()
     for M, N, K in shapes:
         flops = 2 * M * N * K
         row = {"M": M, "N": N, "K": K, "gemm_tflops": {}, "linear_fwd_bwd_tflops": {}}
@@ -332,27 +360,7 @@ def main() -> int:
         rep["rows"].append(row)
         print(json.dumps(row), flush=True)
         dump()
-    try:
-        import transformer_engine
-
-        rep["transformer_engine"] = getattr(transformer_engine, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        rep["transformer_engine"] = f"not importable: {type(e).__name__}"
-    try:  # the cuBLASLt / cuDNN versions TE's extension reports
-        import transformer_engine_torch as tex
-
-        rep["transformer_engine_libs"] = {f: getattr(tex, f)() for f in ("get_cublasLt_version",
-                                                                          "get_cudnn_version") if hasattr(tex, f)}
-    except Exception as e:  # noqa: BLE001
-        rep["transformer_engine_libs"] = f"not importable: {type(e).__name__}"
-    try:
-        import torchao
-
-        rep["torchao"] = getattr(torchao, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        rep["torchao"] = f"not importable: {type(e).__name__}"
-    rep["libraries"] = mapped_libraries("libcublas", "libcublasLt", "libtransformer_engine", "libcudnn")
-    rep["cublaslt_versions"] = cublaslt_versions(rep["libraries"])
+    record_environment(rep)
     dump()
     return 0
 
