@@ -405,8 +405,10 @@ def test_fp8_ceiling_amdahl(root, tmp_path):
     k = lambda ms: {"total_ms": ms}  # noqa: E731
     gemm = {"device": "GPU", "rows": [
         {"linear_fwd_bwd_kernels": {"torch_bf16": k(3.0), "torchao-tensorwise_compiled": k(1.0),
-                                    "torchao-tensorwise_eager": k(9.0)}},
-        {"linear_fwd_bwd_kernels": {"torch_bf16": k(1.0), "torchao-tensorwise_compiled": k(1.0)}}]}
+                                    "torchao-tensorwise_eager": k(9.0), "te_delayed": k(1.5),
+                                    "te_current": "RuntimeError: profiler failed"}},
+        {"linear_fwd_bwd_kernels": {"torch_bf16": k(1.0), "torchao-tensorwise_compiled": k(1.0),
+                                    "te_delayed": k(0.5)}}]}
     (tmp_path / "r.json").write_text(json.dumps(runs))
     (tmp_path / "g.json").write_text(json.dumps(gemm))
     out = tmp_path / "c.json"
@@ -422,6 +424,8 @@ def test_fp8_ceiling_amdahl(root, tmp_path):
     assert tw["measured_ratio"] == 1.25 and abs(tw["loss_vs_bf16"] - 0.01) < 1e-12
     # at r = 2, 1.3x needs the eligible GEMMs to be (1 - 1/1.3) / (1 - 1/2) of the step; this model has 0.4
     assert abs(tw["eligible_share_needed"] - (1 - 1 / 1.3) / 0.5) < 1e-12 and c["eligible_share_of_step"] == 0.4
+    # a recipe of the table no run measured: predicted only (TE delayed, r = 4 / 2), eager and failed cases left out
+    assert c["predicted_only"] == {"te_delayed": {"linear_speedup": 2.0, "predicted_ratio": 1 / 0.8}}
     ce = c["ceilings"]
     assert abs(ce["eligible_at_peak_ratio"] - 1.25) < 1e-12 and abs(ce["all_gemm_at_peak_ratio"] - 1 / 0.6) < 1e-12
     # 1.3x needs 1 - 1/1.3 = 0.2308 s off: from 0.4 s of eligible GEMM that is r = 1 / (1 - 0.2308 / 0.4)
