@@ -146,7 +146,7 @@ def main():
     from megatron_k3.train.trainer import Trainer
 
     job = job_from(ns, world)
-    seed_b = check_seed_micro_batch(ns, job, world)  # before the K3 run: a bad value costs no device time
+    seed_b = check_seed_micro_batch(ns, job)  # before the K3 run: a bad value costs no device time
     trainer = friendly_errors(lambda: Trainer(job))()
     cfg, layout = trainer.cfg, trainer.layout
     B, S, M = job.train.micro_batch_size, cfg.seq_length, trainer.num_micro
@@ -158,6 +158,7 @@ def main():
         with open(ns.out, "w") as f:
             json.dump({"partial": True, **k3}, f)
     baselines = {}
+    seed_batches = regroup(batches, seed_b) if seed_b != B else batches  # once, for every seed baseline
     dtype = torch.bfloat16 if job.perf.bf16 else torch.float32
     for name in [b for b in ns.baselines.split(",") if b and b != "none"]:
         if cuda:
@@ -181,12 +182,9 @@ def main():
                 init_distributed(layout, seed=0)  # the baselines' DDP and optimizer need megatron's state
                 fn = {"seed": seed_baseline, "seed_compiledconv": seed_baseline, "gptmodel": gptmodel_baseline}[name]
                 change = {"short_conv": "compiled"} if name == "seed_compiledconv" else {}
+                b_, batches_ = (seed_b, seed_batches) if name.startswith("seed") else (B, batches)
                 with perf.using(**change):
-                    if name.startswith("seed") and seed_b != B:
-                        baselines[name] = fn(cfg, seed_b, S, M * B // seed_b, device, dtype,
-                                             regroup(batches, seed_b), ns.warmup)
-                    else:
-                        baselines[name] = fn(cfg, B, S, M, device, dtype, batches, ns.warmup)
+                    baselines[name] = fn(cfg, b_, S, M * B // b_, device, dtype, batches_, ns.warmup)
                 from megatron.core import parallel_state as ps
 
                 ps.destroy_model_parallel()
@@ -326,18 +324,15 @@ def progress(msg: str):
     print(f"[benchmark{r} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def check_seed_micro_batch(ns, job, world: int) -> int:
+def check_seed_micro_batch(ns, job) -> int:
     """The seed baselines' micro-batch size (``--seed-micro-batch-size``, default the trainer's); exits with one
-    error line when it does not divide the tokens a rank takes per step."""
+    error line when it does not divide the sequences of a step (baselines run on one rank: ``main`` refuses them
+    with several, so a step is the whole global batch)."""
     b = ns.seed_micro_batch_size or job.train.micro_batch_size
-    if "seed" not in ns.baselines:
-        return b
-    tp, pp, cp = (job.parallel.tensor_model_parallel_size, job.parallel.pipeline_model_parallel_size,
-                  job.parallel.context_parallel_size)
-    per_rank = job.train.global_batch_size // max(1, world // (tp * pp * cp))
-    if b <= 0 or per_rank % b:
-        print(f"error: --seed-micro-batch-size {b} must be positive and divide the {per_rank} sequences a rank "
-              f"takes per step (global batch {job.train.global_batch_size})", file=sys.stderr)
+    n = job.train.global_batch_size
+    if "seed" in ns.baselines and (b <= 0 or n % b):
+        print(f"error: --seed-micro-batch-size {b} must be positive and divide the {n} sequences of a step "
+              f"(the global batch)", file=sys.stderr)
         sys.exit(2)
     return b
 
@@ -775,7 +770,8 @@ def seed_baseline(cfg, B, S, M, device, dtype, batches, warmup):
 
     glue = "compiled glue (AttnRes, norms, gates, short convs)" if perf.current().compile != "off" else "eager"
     return {"what": "golden K3ForCausalLM, bf16 weights, fla chunk_kda (CUDA), grouped-GEMM experts, chunked CE, "
-                    f"fused AdamW, {glue}", "micro_batch_size": B, "num_microbatches": M, "step_times_s": times, "median_step_s": statistics.median(times),
+                    f"fused AdamW, {glue}", "micro_batch_size": B, "num_microbatches": M,
+            "step_times_s": times, "median_step_s": statistics.median(times),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
 
 
