@@ -78,6 +78,11 @@ def build_parser():
     b.add_argument("--smoke", action="store_true", help="CPU smoke mode: k3-tiny, seq 128, micro-batch 2, 2+2 steps")
     b.add_argument("--out", default=None)
     b.add_argument("--profile", default=None, help="also write the profiled step's top ops table here")
+    b.add_argument("--kernel-trace", default=None,
+                   help="also write the profiled step's device timeline here (gzip JSON, ``kernel_trace``: every "
+                        "kernel, copy and memset with its stream, grid, block, shared memory and launch id, the "
+                        "runtime calls that launched them and the k3.* host phases; read by "
+                        "benchmarks/trace_gaps.py)")
     b.add_argument("--baselines", default="seed,gptmodel",
                    help="comma list of same-run baselines: seed, seed_compiledconv (the seed with the compiled short "
                         "convolutions instead of fla's), gptmodel, k3eager (this K3 model again without layer "
@@ -150,7 +155,7 @@ def main():
     trainer = friendly_errors(lambda: Trainer(job))()
     cfg, layout = trainer.cfg, trainer.layout
     B, S, M = job.train.micro_batch_size, cfg.seq_length, trainer.num_micro
-    k3 = k3_run(trainer, ns, rank, profile_path=ns.profile)
+    k3 = k3_run(trainer, ns, rank, profile_path=ns.profile, trace_path=ns.kernel_trace)
     device = trainer.device
     cuda = device.type == "cuda"
     batches = k3.pop("batches")
@@ -237,7 +242,8 @@ def main():
         dist.destroy_process_group()
 
 
-def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True, profile: bool = True) -> dict:
+def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True, profile: bool = True,
+           trace_path=None) -> dict:
     """Set up ``trainer`` (the K3 model as the trainer builds it: per-rank init, DDP, optimizer, data, layer
     graphs), then time it two ways in this process, both through ``Trainer.train_step``:
     1. ``trainer_loop``: the trainer's own loop (``Trainer.fit``: data, step, metrics, logging) for
@@ -298,6 +304,8 @@ def k3_run(trainer, ns, rank: int, profile_path=None, trainer_loop: bool = True,
         if cuda:
             breakdown = {"profiled_step_wall_s": prof_wall, **kernel_breakdown(prof),
                          "idle_gaps": idle_gaps(*profile_intervals(prof))}
+        if trace_path and cuda:
+            progress(f"device timeline: {kernel_trace(prof, trace_path)} events -> {trace_path}")
         if profile_path:
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             with open(profile_path, "w") as f:
@@ -726,6 +734,56 @@ def profile_intervals(prof):
                 cpu[e.id] = (tr.start, e.name)
     ids = {k[3] for k in kernels if k[3] is not None}
     return kernels, ranges, {i: cpu[i] for i in ids if i in cpu}
+
+
+TRACE_CATS = {"kernel": "k", "gpu_memcpy": "c", "gpu_memset": "s", "cuda_runtime": "r", "cuda_driver": "r",
+              "user_annotation": "a"}
+
+
+def kernel_trace(prof, path: str) -> int:
+    """Write the device side of a finished ``torch.profiler.profile`` to ``path`` (gzip JSON) for offline study of
+    the step's idle gaps (``benchmarks/trace_gaps.py``): torch's Chrome trace filtered to kernels, copies and
+    memsets (start, duration, name, stream, launch id, grid, block, shared memory, registers), the runtime and
+    driver calls (start, duration, name, launch id) and the ``k3.*`` host ranges. Names are interned (45k kernels of
+    a k3-mini step are ~2 MB compressed). Returns the number of events written."""
+    import gzip
+
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        with open(tmp) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(tmp)
+    names, index, rows = [], {}, {"k": [], "c": [], "s": [], "r": [], "a": []}
+
+    def nid(n):
+        if n not in index:
+            index[n] = len(names)
+            names.append(n)
+        return index[n]
+
+    for e in events:
+        kind = TRACE_CATS.get(e.get("cat"))
+        if kind is None or e.get("ph") != "X":
+            continue
+        a = e.get("args", {})
+        if kind == "a" and not e["name"].startswith("k3."):
+            continue
+        row = [round(float(e["ts"]), 3), round(float(e.get("dur", 0)), 3), nid(e["name"])]
+        if kind in "kcs":
+            row += [a.get("stream"), a.get("correlation"), a.get("grid"), a.get("block"),
+                    a.get("shared memory"), a.get("registers per thread")]
+        elif kind == "r":
+            row += [a.get("correlation")]
+        rows[kind].append(row)
+    doc = {"format": "k3 kernel_trace v1: k/c/s = kernel/copy/memset [ts_us, dur_us, name, stream, correlation, "
+                     "grid, block, shared_memory, registers]; r = runtime/driver call [ts_us, dur_us, name, "
+                     "correlation]; a = k3.* host range [ts_us, dur_us, name]", "names": names, **rows}
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    return sum(len(v) for v in rows.values())
 
 
 def _self_device_us(e) -> float:

@@ -438,3 +438,49 @@ def test_fp8_ceiling_amdahl(root, tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(runs))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--breakdown" in r.stderr, r.stderr
+
+
+def test_kernel_trace_writes_the_host_ranges_of_a_real_profile(bench_module, tmp_path):
+    """``benchmark.kernel_trace`` turns a real profile into the interned file ``trace_gaps.py`` reads (on the CPU:
+    the ``k3.*`` ranges, no kernels)."""
+    import gzip
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("k3.forward"):
+            torch.ones(64, 64).sum()
+        with record_function("other"):
+            torch.ones(8).sum()
+    path = str(tmp_path / "t.json.gz")
+    n = bench_module("benchmark").kernel_trace(prof, path)
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    assert n == 1 and doc["k"] == [] and [doc["names"][r[2]] for r in doc["a"]] == ["k3.forward"]
+    assert doc["a"][0][1] > 0
+
+
+def test_trace_gaps_tells_structural_from_sporadic_gaps(bench_module):
+    """``trace_gaps.summarize`` on a hand-made timeline: one graph replayed three times (launch ids 1-3), kernels
+    A, B, C on stream 7; a 100 us gap before B in every replay (structural), a gap before C in one replay only
+    (sporadic), and one gap at a stream switch between replays."""
+    names = ["A", "B", "C", "D"]
+
+    def k(ts, dur, n, stream, corr, smem=0):
+        return [ts, dur, names.index(n), stream, corr, [1, 1, 1], [128, 1, 1], smem, 32]
+
+    rows = []
+    for r, t0 in enumerate((0.0, 1000.0, 2000.0)):
+        rows += [k(t0, 10, "A", 7, r + 1), k(t0 + 110, 10, "B", 7, r + 1, smem=200000),
+                 k(t0 + 120 + (300 if r == 1 else 0), 10, "C", 7, r + 1)]
+    rows.append(k(2500.0, 10, "D", 9, 4))
+    doc = {"names": names, "k": rows, "c": [], "s": [], "r": [], "a": []}
+    s = bench_module("trace_gaps").summarize(doc, min_us=20.0)
+    assert s["events"] == 10 and s["gaps"] == 3 + 1 + 2 + 1  # B x3, C once, between replays x2, before D
+    top = {(p["before"], p["after"]): p for p in s["in_graph_positions"]["top"]}
+    assert top[("A", "B")]["min_us"] == 100.0 and top[("A", "B")]["with_gap"] == 3
+    assert top[("B", "C")]["min_us"] == 0.0 and top[("B", "C")]["max_us"] == 300.0
+    assert s["in_graph_positions"] == {**s["in_graph_positions"], "structural_us": 300.0, "sporadic_us": 300.0}
+    assert s["by_stream"]["stream_switch"]["count"] == 1
+    assert s["next_kernel"]["after_long_gaps"]["smem=200000 block=(128, 1, 1)"] == 3
