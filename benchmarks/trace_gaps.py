@@ -15,15 +15,22 @@ whole device timeline the benchmark wrote and asks the next questions, each answ
 - ``next_kernel``: the launch shape (grid, block, shared memory, registers) of kernels that follow a long gap,
   against all kernels.
 
-Usage: ``python benchmarks/trace_gaps.py TRACE.json.gz [--out summary.json] [--min-us 20]`` (CPU only; no torch).
+- ``by_kind``: device time per kind of kernel over the whole timeline (the benchmark's ``breakdown.by_kind_s``
+  recomputed from the trace).
+
+Usage: ``python benchmarks/trace_gaps.py TRACE.json.gz [--out summary.json] [--min-us 20]`` (CPU only).
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import os
 import statistics
+import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmark.kernel_kind
 
 BUCKETS_US = (5, 20, 50, 100, 200, 500, float("inf"))
 
@@ -80,7 +87,23 @@ def replay_positions(events: list[dict]) -> dict:
     return pos
 
 
-def summarize(doc: dict, min_us: float = 20.0, top: int = 15) -> dict:
+def by_kind(events: list[dict], top_n: int = 8) -> dict:
+    """Device time per kind (``benchmark.kernel_kind``: the breakdown's classes) over every kernel, copy and
+    memset of the trace, with each kind's ``top_n`` kernels: the breakdown recomputed from the timeline."""
+    from benchmark import kernel_kind
+
+    per = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    for e in events:
+        r = per[kernel_kind(e["name"])][e["name"]]
+        r[0] += 1
+        r[1] += e["end"] - e["ts"]
+    return {k: {"s": round(sum(t for _, t in v.values()) / 1e6, 5),
+                "top": [{"s": round(t / 1e6, 5), "calls": c, "kernel": n[:120]}
+                        for n, (c, t) in sorted(v.items(), key=lambda kv: -kv[1][1])[:top_n]]}
+            for k, v in sorted(per.items(), key=lambda kv: -sum(t for _, t in kv[1].values()))}
+
+
+def summarize(doc: dict, min_us: float = 20.0, top: int = 15, kinds: bool = True) -> dict:
     events = device_events(doc)
     gs = gaps(events)
     if not gs:
@@ -147,6 +170,8 @@ def summarize(doc: dict, min_us: float = 20.0, top: int = 15) -> dict:
         pairs[key][1] += g["us"]
     return {
         "events": len(events), "span_us": round(span, 1), "idle_us": round(idle, 1), "gaps": len(gs),
+        "busy_us": round(sum(e["end"] - e["ts"] for e in events), 1),
+        "by_kind": by_kind(events) if kinds else None,
         "streams": sorted({e["stream"] for e in events if e["stream"] is not None}),
         "by_stream": {k: {"count": n, "total_us": round(t, 1)} for k, (n, t) in by_stream.items()},
         "by_size": by_size,

@@ -187,3 +187,35 @@ def test_compiled_gather_sum_and_prob_scale_equal_eager():
     assert outs[0][0].dtype == torch.bfloat16
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_compiled_stacked_grad_add_writes_the_interleaved_view_in_place():
+    """``add_stacked_grad`` (the experts' weight gradients into megatron's main_grad buffer, where expert e's fc1
+    block sits one fc1 + fc2 stride from expert e+1's, in reverse order): eager and compiled (traced here; inductor
+    on CUDA) it adds in place into that strided view of the shared buffer, bit for bit as the per-expert loop,
+    leaves every other element of the buffer alone, and takes a second layer's view (same shapes, another offset
+    in the buffer) without recompiling."""
+    from torch._dynamo.testing import CompileCounter
+
+    from megatron_k3.model.common import compiled
+    from megatron_k3.model.moe import add_stacked_grad
+
+    E, out_f, in_f = 5, 6, 4
+    shape, stride = (E, out_f, in_f), (2 * out_f * in_f, in_f, 1)
+    counter = CompileCounter()
+    counted = torch.compile(add_stacked_grad, backend=counter, fullgraph=True, dynamic=False)
+    for reverse in (True, False):
+        for offset in (8, 8 + 2 * E * out_f * in_f):  # two layers' fc1 views in one buffer
+            torch.manual_seed(offset + reverse)
+            orig = torch.randn(1000)
+            g = torch.randn(shape).bfloat16()
+            ref = orig.clone()
+            ref_view = ref.as_strided(shape, stride, offset)
+            for e in range(E):
+                ref_view[e] += g[E - 1 - e if reverse else e].float()
+            assert not torch.equal(ref, orig)
+            for fn in (add_stacked_grad, counted, compiled(add_stacked_grad, backend="aot_eager")):
+                buf = orig.clone()
+                fn(buf.as_strided(shape, stride, offset), g, reverse)
+                assert torch.equal(buf, ref), (fn, reverse, offset)
+    assert counter.frame_count == 2  # one graph per direction, not one per offset
