@@ -81,6 +81,22 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> tor
     return (o.to(ct) * torch.sigmoid(gate.to(ct))).to(dtype)
 
 
+# The megatron model keeps the residual stream sequence-first [S, B, D] while the token mixers (fla's KDA,
+# SDPA) work batch-first [B, S, ...]. Changing layout is a permutation of whole rows (each token's D values
+# stay contiguous), so it can be the output layout of the element-wise kernel next to it instead of a copy of
+# its own: compiled, each of these is one kernel forward and one backward. Eager they are the two steps.
+def rms_norm_batch_first(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``rms_norm`` of ``x`` [S, B, D], written batch-first [B, S, D] (contiguous)."""
+    return rms_norm(x, weight, eps).transpose(0, 1).contiguous()
+
+
+def sigmoid_gate_seq_first(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sigmoid_gate`` of ``o`` [B, T, ...] (trailing dims flattened: heads x head dim) and ``gate`` [B, T, N],
+    written sequence-first [T, B, N] (contiguous) for the output projection."""
+    B, T = o.shape[:2]
+    return sigmoid_gate(o.reshape(B, T, -1), gate.reshape(B, T, -1), dtype).transpose(0, 1).contiguous()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None):
         super().__init__()

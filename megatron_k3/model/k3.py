@@ -88,6 +88,11 @@ class K3DecoderLayer(nn.Module):
     def ffn(self, x):
         return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
 
+    def token_mixer(self, x):
+        """``self_attn(input_layernorm(x))``: the parallel layer overrides it to fuse the norm with the
+        change to the mixer's batch-first layout."""
+        return self.self_attn(self.input_layernorm(x))
+
     def mix(self, which: str, prefix, blocks):
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
         return attn_res_mix(prefix, blocks, proj.weight.reshape(-1), norm.weight, norm.eps)
@@ -95,14 +100,14 @@ class K3DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, blocks: list | None):
         """(h, blocks) -> (h, blocks). ``blocks`` is None without AttnRes; a new list is returned otherwise."""
         if not self.attn_res:
-            h = h + self.self_attn(self.input_layernorm(h))
+            h = h + self.token_mixer(h)
             return h + self.ffn(self.post_attention_layernorm(h)), blocks
         prefix = h
         x = self.mix("self_attention", prefix, blocks) if blocks else prefix
         if self.snapshot:
             blocks = list(blocks) + [prefix]
             prefix = None
-        a = self.self_attn(self.input_layernorm(x))
+        a = self.token_mixer(x)
         prefix = a if prefix is None else prefix + a
         m = self.ffn(self.post_attention_layernorm(self.mix("mlp", prefix, blocks)))
         return prefix + m, blocks

@@ -40,7 +40,7 @@ from ..model.kda import KimiDeltaAttention
 from ..model.k3 import K3DecoderLayer
 from ..model.mla import GatedMLA
 from ..model.moe import MLP
-from ..model.common import Linear, RMSNorm
+from ..model.common import Linear, RMSNorm, fast, rms_norm_batch_first, sigmoid_gate_seq_first
 from ..model.situ import glu_activation_stream, silu_glu, situ_glu_stream
 from .comm import ParallelCtx, cp_head_slice, cp_heads_to_seq, cp_seq_to_heads, tp_enter, tp_exit
 
@@ -135,8 +135,10 @@ class ParallelKDA(KimiDeltaAttention):
                 blogit, gate.view(B, T, H, d))
 
     def forward(self, x):  # [s, B, D]
+        return self.forward_batch_first(_batch_first(tp_enter(x, self.ctx)))
+
+    def forward_batch_first(self, xb):  # [B, S_cp, D], after tp_enter
         ctx = self.ctx
-        xb = _batch_first(tp_enter(x, ctx))                                # [B, S_cp, D]
         q, k, v, graw, blogit, gate = self.project(xb)
         heads = None
         if ctx.cp > 1:
@@ -145,8 +147,8 @@ class ParallelKDA(KimiDeltaAttention):
         o, _ = recomputed(self.mix, q, k, v, graw, blogit, heads, enabled=self.recompute)
         if ctx.cp > 1:
             o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
-        o = self.gated(o, gate, xb.dtype)                                  # [B, S_cp, H_tp d]
-        return tp_exit(self.o_proj(_seq_first(o).contiguous()), ctx)       # partial sum over TP
+        o = fast(sigmoid_gate_seq_first, o)(o, gate, xb.dtype)            # [S_cp, B, H_tp d]
+        return tp_exit(self.o_proj(o), ctx)                                # partial sum over TP
 
 
 class ParallelMLA(GatedMLA):
@@ -168,16 +170,22 @@ class ParallelMLA(GatedMLA):
         if cfg.mla_use_output_gate:
             mark_tp(self.g_proj.weight, 0)
 
-    def forward(self, x):
+    def forward(self, x):  # [s, B, D]
+        return self.forward_batch_first(_batch_first(tp_enter(x, self.ctx)))
+
+    def forward_batch_first(self, xb):  # [B, S_cp, D], after tp_enter
         ctx = self.ctx
-        xb = _batch_first(tp_enter(x, ctx))
         q, k, v = self.project_qkv(xb)                                     # [B, S_cp, H_tp, *]
         if ctx.cp > 1:
             q, k, v = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v))
         o = recomputed(self.attend, q, k, v, enabled=self.recompute)
         if ctx.cp > 1:
             o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
-        return tp_exit(self.o_proj(_seq_first(self.gated(o, xb)).contiguous()), ctx)
+        if self.cfg.mla_use_output_gate:                                   # [S_cp, B, H_tp v]
+            o = fast(sigmoid_gate_seq_first, o)(o, self.g_proj(xb), xb.dtype)
+        else:
+            o = _seq_first(o.reshape(*o.shape[:2], -1)).contiguous()
+        return tp_exit(self.o_proj(o), ctx)
 
 
 class ParallelMLP(MLP):
@@ -337,6 +345,16 @@ class ParallelK3Layer(K3DecoderLayer):
                      "self_attention_res_proj", "mlp_res_norm", "mlp_res_proj"):
             if hasattr(self, name):
                 mark_replicated(getattr(self, name), ctx)
+
+    def token_mixer(self, x):
+        """The golden ``self_attn(input_layernorm(x))`` with the norm writing the mixer's batch-first input
+        (``rms_norm_batch_first``: one kernel on CUDA instead of the norm and a copy, forward and backward).
+        Under sequence parallelism the gather before the mixer needs the sequence-first layout: two steps."""
+        att, norm = self.self_attn, self.input_layernorm
+        if att.ctx.sp:
+            return att(norm(x))
+        xb = fast(rms_norm_batch_first, x)(x, norm.weight, norm.eps)
+        return att.forward_batch_first(tp_enter(xb, att.ctx))
 
     # the golden constructor asks these factories for its mixers and FFNs
     def make_attention(self, cfg, layer_idx):

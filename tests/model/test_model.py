@@ -197,3 +197,35 @@ def test_kimi_linear_variant_runs():
     out = m(ids, labels)
     out["loss"].backward()
     assert torch.isfinite(out["loss"])
+
+
+def test_layout_fused_norm_and_gate_equal_their_two_steps():
+    """``rms_norm_batch_first`` and ``sigmoid_gate_seq_first`` (the megatron layers' norm before the token mixer and
+    output gate after it, each writing the other layout), eager and traced (aot_eager: the graph the CUDA path
+    compiles into one kernel): the same values and gradients as the norm/gate followed by the transpose copy, in a
+    contiguous output of the other layout; the gate also takes the attention's strided [B, T, H, v] output."""
+    from megatron_k3.model.common import (compiled, rms_norm, rms_norm_batch_first, sigmoid_gate,
+                                          sigmoid_gate_seq_first)
+
+    gen = torch.Generator().manual_seed(3)
+    S, B, D, H, v = 7, 3, 12, 2, 5
+    x = torch.randn(S, B, D, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(D, generator=gen).bfloat16().requires_grad_()
+    gy = torch.randn(B, S, D, generator=gen).bfloat16()
+    ref = rms_norm(x, w, 1e-6).transpose(0, 1).contiguous()
+    rx, rw = torch.autograd.grad(ref, (x, w), gy)
+    for fn in (rms_norm_batch_first, compiled(rms_norm_batch_first, backend="aot_eager")):
+        y = fn(x, w, 1e-6)
+        assert y.shape == (B, S, D) and y.is_contiguous() and torch.equal(y, ref)
+        gx, gw = torch.autograd.grad(y, (x, w), gy)
+        assert torch.equal(gx, rx) and torch.equal(gw, rw)
+    o = torch.randn(B, H, S, v, generator=gen).bfloat16().transpose(1, 2).requires_grad_()  # SDPA's [B, T, H, v] view
+    g = torch.randn(B, S, H * v, generator=gen).bfloat16().requires_grad_()
+    go = torch.randn(S, B, H * v, generator=gen).bfloat16()
+    ref = sigmoid_gate(o.reshape(B, S, -1), g, torch.bfloat16).transpose(0, 1).contiguous()
+    ro, rg = torch.autograd.grad(ref, (o, g), go)
+    for fn in (sigmoid_gate_seq_first, compiled(sigmoid_gate_seq_first, backend="aot_eager")):
+        y = fn(o, g, torch.bfloat16)
+        assert y.shape == (S, B, H * v) and y.is_contiguous() and torch.equal(y, ref)
+        go_, gg_ = torch.autograd.grad(y, (o, g), go)
+        assert torch.equal(go_, ro) and torch.equal(gg_, rg)
