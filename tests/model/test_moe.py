@@ -219,3 +219,25 @@ def test_compiled_stacked_grad_add_writes_the_interleaved_view_in_place():
                 fn(buf.as_strided(shape, stride, offset), g, reverse)
                 assert torch.equal(buf, ref), (fn, reverse, offset)
     assert counter.frame_count == 2  # one graph per direction, not one per offset
+
+
+def test_router_logits_equal_megatrons_router_gating_linear():
+    """``RouterLogits`` (the megatron router's logits on CUDA: bf16 GEMM with fp32 output forward, fp32 GEMMs
+    backward) gives megatron's ``router_gating_linear`` fp32 logits and gradients; here (CPU) its forward is the
+    fp32 GEMM, so the two agree bit for bit; on CUDA the forward sums the same exact products in another order."""
+    from megatron.core.transformer.moe.moe_utils import RouterGatingLinearFunction
+
+    from megatron_k3.parallel.layers import RouterLogits
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 16, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(6, 16, generator=gen).bfloat16().requires_grad_()
+    g = torch.randn(3, 7, 6, generator=gen)
+    outs = []
+    for fn in (lambda: RouterLogits.apply(x, w), lambda: RouterGatingLinearFunction.apply(x, w, None, torch.float32)):
+        y = fn()
+        gx, gw = torch.autograd.grad(y, (x, w), g)
+        outs.append((y, gx, gw))
+    assert outs[0][0].dtype == torch.float32 and outs[0][1].dtype == torch.bfloat16 and outs[0][2].dtype == torch.bfloat16
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
