@@ -25,12 +25,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import statistics
-import sys
 from collections import defaultdict
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmark.kernel_kind
 
 BUCKETS_US = (5, 20, 50, 100, 200, 500, float("inf"))
 
@@ -90,7 +86,7 @@ def replay_positions(events: list[dict]) -> dict:
 def by_kind(events: list[dict], top_n: int = 8) -> dict:
     """Device time per kind (``benchmark.kernel_kind``: the breakdown's classes) over every kernel, copy and
     memset of the trace, with each kind's ``top_n`` kernels: the breakdown recomputed from the timeline."""
-    from benchmark import kernel_kind
+    from benchmark import kernel_kind  # the sibling script (run as a script, its folder is on sys.path)
 
     per = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     for e in events:

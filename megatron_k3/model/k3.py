@@ -62,7 +62,7 @@ class K3DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer_idx) if moe is None else moe
         self.attn_res = (cfg.attn_res_block_size is not None) if attn_res is None else attn_res
         self.snapshot = self.attn_res and layer_idx % cfg.attn_res_block_size == 0
-        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.input_layernorm = self.make_input_layernorm(cfg)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
         if self.attn_res:
             self.self_attention_res_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -76,6 +76,9 @@ class K3DecoderLayer(nn.Module):
             self.mlp = self.make_mlp(cfg)
 
     # Factories: the parallel (megatron) layer overrides these and keeps everything else.
+    def make_input_layernorm(self, cfg):
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
     def make_attention(self, cfg, layer_idx):
         return KimiDeltaAttention(cfg, layer_idx) if self.kind == "kda" else GatedMLA(cfg, layer_idx)
 
@@ -89,8 +92,8 @@ class K3DecoderLayer(nn.Module):
         return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
 
     def token_mixer(self, x):
-        """``self_attn(input_layernorm(x))``: the parallel layer overrides it to fuse the norm with the
-        change to the mixer's batch-first layout."""
+        """``self_attn(input_layernorm(x))``: the parallel layer overrides it (its input norm writes the
+        mixer's batch-first layout)."""
         return self.self_attn(self.input_layernorm(x))
 
     def mix(self, which: str, prefix, blocks):

@@ -134,11 +134,9 @@ class ParallelKDA(KimiDeltaAttention):
         return (q.view(B, T, H, d), k.view(B, T, H, d), v.view(B, T, H, d), self.f_b_proj(fa).view(B, T, H, d),
                 blogit, gate.view(B, T, H, d))
 
-    def forward(self, x):  # [s, B, D]
-        return self.forward_batch_first(_batch_first(tp_enter(x, self.ctx)))
-
-    def forward_batch_first(self, xb):  # [B, S_cp, D], after tp_enter
+    def forward(self, x, batch_first: bool = False):  # x [s, B, D]; [B, s, D] when batch_first
         ctx = self.ctx
+        xb = tp_enter(x, ctx) if batch_first else _batch_first(tp_enter(x, ctx))   # [B, S_cp, D]
         q, k, v, graw, blogit, gate = self.project(xb)
         heads = None
         if ctx.cp > 1:
@@ -170,11 +168,9 @@ class ParallelMLA(GatedMLA):
         if cfg.mla_use_output_gate:
             mark_tp(self.g_proj.weight, 0)
 
-    def forward(self, x):  # [s, B, D]
-        return self.forward_batch_first(_batch_first(tp_enter(x, self.ctx)))
-
-    def forward_batch_first(self, xb):  # [B, S_cp, D], after tp_enter
+    def forward(self, x, batch_first: bool = False):  # x [s, B, D]; [B, s, D] when batch_first
         ctx = self.ctx
+        xb = tp_enter(x, ctx) if batch_first else _batch_first(tp_enter(x, ctx))   # [B, S_cp, D]
         q, k, v = self.project_qkv(xb)                                     # [B, S_cp, H_tp, *]
         if ctx.cp > 1:
             q, k, v = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v))
@@ -384,6 +380,15 @@ class ParallelLatentMoE(MoELayer):
 
 
 # ---------------------------------------------------------------------------------------------------------
+class BatchFirstRMSNorm(RMSNorm):
+    """The decoder layer's input norm (same weight, same name) writing its output batch-first: [S, B, D] ->
+    [B, S, D], the token mixer's layout (``rms_norm_batch_first``: on CUDA one kernel forward and one backward
+    instead of the norm and a strided copy)."""
+
+    def forward(self, x):
+        return fast(rms_norm_batch_first, x)(x, self.weight, self.eps)
+
+
 class ParallelK3Layer(K3DecoderLayer):
     """The golden decoder layer (norms, Attention Residuals, residual stream) with parallel mixers/FFNs."""
 
@@ -399,14 +404,16 @@ class ParallelK3Layer(K3DecoderLayer):
                 mark_replicated(getattr(self, name), ctx)
 
     def token_mixer(self, x):
-        """The golden ``self_attn(input_layernorm(x))`` with the norm writing the mixer's batch-first input
-        (``rms_norm_batch_first``: one kernel on CUDA instead of the norm and a copy, forward and backward).
-        Under sequence parallelism the gather before the mixer needs the sequence-first layout: two steps."""
-        att, norm = self.self_attn, self.input_layernorm
-        if att.ctx.sp:
-            return att(norm(x))
-        xb = fast(rms_norm_batch_first, x)(x, norm.weight, norm.eps)
-        return att.forward_batch_first(tp_enter(xb, att.ctx))
+        """The golden ``self_attn(input_layernorm(x))``; with a ``BatchFirstRMSNorm`` the norm's output is
+        already the mixer's batch-first input."""
+        norm = self.input_layernorm
+        return self.self_attn(norm(x), batch_first=isinstance(norm, BatchFirstRMSNorm))
+
+    def make_input_layernorm(self, cfg):
+        ctx, _, _ = self._build
+        # under sequence parallelism the gather before the mixer needs the sequence-first layout
+        cls = RMSNorm if ctx.sp else BatchFirstRMSNorm
+        return cls(cfg.hidden_size, cfg.rms_norm_eps)
 
     # the golden constructor asks these factories for its mixers and FFNs
     def make_attention(self, cfg, layer_idx):

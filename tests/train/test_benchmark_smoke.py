@@ -481,7 +481,9 @@ def test_trace_gaps_tells_structural_from_sporadic_gaps(bench_module):
                  k(t0 + 120 + (300 if r == 1 else 0), 10, "C", 7, r + 1)]
     rows.append(k(2500.0, 10, "D", 9, 4))
     doc = {"names": names, "k": rows, "c": [], "s": [], "r": [], "a": []}
+    bench_module("benchmark")  # trace_gaps reads benchmark.kernel_kind (a sibling import when run as a script)
     s = bench_module("trace_gaps").summarize(doc, min_us=20.0)
+    assert s["by_kind"]["other"]["s"] == 0.0001 and s["busy_us"] == 100.0
     assert s["events"] == 10 and s["gaps"] == 3 + 1 + 2 + 1  # B x3, C once, between replays x2, before D
     top = {(p["before"], p["after"]): p for p in s["in_graph_positions"]["top"]}
     assert top[("A", "B")]["min_us"] == 100.0 and top[("A", "B")]["with_gap"] == 3
