@@ -650,6 +650,19 @@ def kernel_breakdown(prof, top_n: int = 10, top_ops: int = 25) -> dict:
                         for t, c, n, sh in sorted(ops, reverse=True)[:top_ops]]}
 
 
+def idle_stretches(items, start, end) -> list:
+    """``(duration, before, after)`` for every stretch in which none of ``items`` (sorted by ``start``) runs:
+    ``before`` is the item that ended last before it, ``after`` the one that starts it (all streams together).
+    Shared by ``idle_gaps`` and ``trace_gaps.py``."""
+    out, last = [], None
+    for x in items:
+        if last is not None and start(x) > end(last):
+            out.append((start(x) - end(last), last, x))
+        if last is None or end(x) >= end(last):
+            last = x
+    return out
+
+
 def idle_gaps(kernels, ranges, launches=None, top_n: int = 12) -> dict:
     """Where the device waits for the host within one profiled step. ``kernels``: (start_us, end_us, name) or
     (start_us, end_us, name, launch_id) of every device kernel/copy, ``launch_id`` the correlation id of the
@@ -670,18 +683,15 @@ def idle_gaps(kernels, ranges, launches=None, top_n: int = 12) -> dict:
     launches = launches or {}
     if not ks:
         return {"idle_s": 0.0, "by_phase_s": {}, "by_cause_s": {}, "longest": [], "by_pair": []}
-    gaps, end, prev, prev_launch = [], ks[0][1], ks[0][2], ks[0][3]
-    for a, b, name, launch in ks[1:]:
-        if a > end:
-            if launch is not None and launch == prev_launch:
-                cause = "in_launch"
-            elif launch in launches:  # (launches has no None key)
-                cause = "host_late" if launches[launch][0] >= end else "device_wait"
-            else:
-                cause = "unknown"
-            gaps.append((a - end, end, a, prev, name, cause))
-        if b >= end:
-            end, prev, prev_launch = b, name, launch
+    gaps = []
+    for dur, (_, end, prev, prev_launch), (a, _, name, launch) in idle_stretches(ks, lambda k: k[0], lambda k: k[1]):
+        if launch is not None and launch == prev_launch:
+            cause = "in_launch"
+        elif launch in launches:  # (launches has no None key)
+            cause = "host_late" if launches[launch][0] >= end else "device_wait"
+        else:
+            cause = "unknown"
+        gaps.append((dur, end, a, prev, name, cause))
     names = {"k3.forward_backward": "backward"}
 
     def phase(t):

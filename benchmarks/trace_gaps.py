@@ -1,8 +1,9 @@
 """Where the device is idle inside one profiled training step, from a ``benchmark.py --kernel-trace`` file.
 
-``benchmark.py``'s ``breakdown.idle_gaps`` says *that* most of k3-mini's idle time lies between two kernels of
-the same replayed CUDA graph (``in_launch``) and which kernel pairs it sits between. This script reads the
-whole device timeline the benchmark wrote and asks the next questions, each answerable from the trace alone:
+``benchmark.py``'s ``breakdown.idle_gaps`` says how much of the step the device is idle, in which phase, and
+between which kernel pairs. This script reads the whole device timeline the benchmark wrote and asks the next
+questions, each answerable from the trace alone (it is how the breakdown's dropped kernels were found,
+2026-12-07, ``benchmarks/README.md``):
 
 - ``by_stream``: does the gap sit at a switch between streams (a cross-stream dependency inside the graph) or
   between two kernels of one stream?
@@ -14,7 +15,6 @@ whole device timeline the benchmark wrote and asks the next questions, each answ
   (another stream's work, the host, the memory system).
 - ``next_kernel``: the launch shape (grid, block, shared memory, registers) of kernels that follow a long gap,
   against all kernels.
-
 - ``by_kind``: device time per kind of kernel over the whole timeline (the benchmark's ``breakdown.by_kind_s``
   recomputed from the trace).
 
@@ -27,6 +27,8 @@ import gzip
 import json
 import statistics
 from collections import defaultdict
+
+from benchmark import idle_stretches, kernel_kind  # the sibling script (run as a script, its folder is on sys.path)
 
 BUCKETS_US = (5, 20, 50, 100, 200, 500, float("inf"))
 
@@ -54,15 +56,8 @@ def device_events(doc: dict) -> list[dict]:
 def gaps(events: list[dict]) -> list[dict]:
     """Every stretch with no device event running, with the event that ended last before it and the one that
     starts it (over all streams together, as ``benchmark.idle_gaps``)."""
-    if not events:
-        return []
-    out, last = [], events[0]
-    for e in events[1:]:
-        if e["ts"] > last["end"]:
-            out.append({"us": e["ts"] - last["end"], "before": last, "after": e})
-        if e["end"] >= last["end"]:
-            last = e
-    return out
+    return [{"us": us, "before": b, "after": a}
+            for us, b, a in idle_stretches(events, lambda e: e["ts"], lambda e: e["end"])]
 
 
 def replay_positions(events: list[dict]) -> dict:
@@ -86,8 +81,6 @@ def replay_positions(events: list[dict]) -> dict:
 def by_kind(events: list[dict], top_n: int = 8) -> dict:
     """Device time per kind (``benchmark.kernel_kind``: the breakdown's classes) over every kernel, copy and
     memset of the trace, with each kind's ``top_n`` kernels: the breakdown recomputed from the timeline."""
-    from benchmark import kernel_kind  # the sibling script (run as a script, its folder is on sys.path)
-
     per = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     for e in events:
         r = per[kernel_kind(e["name"])][e["name"]]
@@ -99,7 +92,7 @@ def by_kind(events: list[dict], top_n: int = 8) -> dict:
             for k, v in sorted(per.items(), key=lambda kv: -sum(t for _, t in kv[1].values()))}
 
 
-def summarize(doc: dict, min_us: float = 20.0, top: int = 15, kinds: bool = True) -> dict:
+def summarize(doc: dict, min_us: float = 20.0, top: int = 15) -> dict:
     events = device_events(doc)
     gs = gaps(events)
     if not gs:
@@ -128,13 +121,10 @@ def summarize(doc: dict, min_us: float = 20.0, top: int = 15, kinds: bool = True
         p = pos.get(id(e))
         if p:
             replays[p[0]].add(e["corr"])
-    gap_at = {}
     for g in gs:  # gaps inside one replay (both kernels from the same launch)
         p = pos.get(id(g["after"]))
         if p and g["before"]["corr"] == g["after"]["corr"]:
-            gap_at[(p, g["after"]["corr"])] = g
-    for (p, corr), g in gap_at.items():
-        per_pos[p].append(g)
+            per_pos[p].append(g)
     positions = []
     for p, lst in per_pos.items():
         n_rep = len(replays[p[0]])
@@ -167,7 +157,7 @@ def summarize(doc: dict, min_us: float = 20.0, top: int = 15, kinds: bool = True
     return {
         "events": len(events), "span_us": round(span, 1), "idle_us": round(idle, 1), "gaps": len(gs),
         "busy_us": round(sum(e["end"] - e["ts"] for e in events), 1),
-        "by_kind": by_kind(events) if kinds else None,
+        "by_kind": by_kind(events),
         "streams": sorted({e["stream"] for e in events if e["stream"] is not None}),
         "by_stream": {k: {"count": n, "total_us": round(t, 1)} for k, (n, t) in by_stream.items()},
         "by_size": by_size,
