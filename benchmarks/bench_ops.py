@@ -14,6 +14,10 @@ Parts (``--parts``, default all):
 - ``ce``: cross-entropy of one [4096, 163840] bf16 logits chunk (the LM head's chunk at k3-mini):
   ``k3.cross_entropy_sum`` compiled against the eager ``F.cross_entropy(logits.float())``.
 
+- ``ce_chunk``: one chunk of the LM head's fast CE (``linear_cross_entropy``'s ``chunk_fn``: loss sum and d logits
+  of [4096, 163840] bf16 logits): ``ce_sum_and_grad`` torch.compile'd (``--cross-entropy-impl compiled``) against
+  the Triton kernel (``ce_triton.py``, the default), device time of the kernels and the two results' differences.
+
 - ``short_conv``: KDA's depthwise causal conv + SiLU at k3-mini's [8, 4096, 1024] bf16, reading a column
   slice of the fused projection output as the model does: fla's Triton ``causal_conv1d`` (what CUDA runs
   now) and this project's kernels (``short_conv_triton``, ``--short-conv-impl triton``: no forward recomputed in
@@ -199,6 +203,41 @@ def part_ce(iters):
     return res
 
 
+# ----------------------------------------------------------------------------------------------- ce_chunk
+def part_ce_chunk(iters):
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_k3.model.ce_triton import ce_sum_and_grad_triton
+    from megatron_k3.model.common import compiled
+    from megatron_k3.model.k3 import ce_sum_and_grad
+
+    N, V = 4096, 163840
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    tgt = torch.randint(0, V, (N,), device="cuda", generator=g)
+    tgt[::17] = -100
+    res = {"bytes_floor_s": 3 * N * V * 2 / 3.35e12,  # two reads and one write at the H100's 3.35 TB/s
+           "shape": [N, V]}
+    outs = {}
+    for name, fn in (("compiled", compiled(ce_sum_and_grad)), ("triton", ce_sum_and_grad_triton)):
+        for _ in range(3):
+            fn(logits, tgt, -100)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                out = fn(logits, tgt, -100)
+            torch.cuda.synchronize()
+        outs[name] = out
+        res[name] = {"kernels_s": sum(kernel_device_us(e) for e in prof.key_averages()) / 1e6 / iters,
+                     "loss": float(out[0])}
+    (la, ga), (lb, gb) = outs["compiled"], outs["triton"]
+    res["loss_rel_diff"] = abs(float(lb) / float(la) - 1)
+    res["grad_rel_err"] = rel(gb, ga)
+    res["grad_elements_differing"] = int((ga != gb).sum())
+    res["speedup_kernels"] = res["compiled"]["kernels_s"] / res["triton"]["kernels_s"]
+    return res
+
+
 # ---------------------------------------------------------------------------------------------- short_conv
 def part_short_conv(iters):
     from megatron_k3.model import kda
@@ -272,7 +311,7 @@ def part_linear_ce(iters):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="attention,attn_res,ce,short_conv,linear_ce")
+    ap.add_argument("--parts", default="attention,attn_res,ce,ce_chunk,short_conv,linear_ce")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -280,7 +319,8 @@ def main():
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "command": command_line("benchmarks/bench_ops.py"),
            "note": "fwd+bwd device time (CUDA events, median after warm-up)"}
-    parts = {"attention": part_attention, "attn_res": part_attn_res, "ce": part_ce, "short_conv": part_short_conv,
+    parts = {"attention": part_attention, "attn_res": part_attn_res, "ce": part_ce, "ce_chunk": part_ce_chunk,
+             "short_conv": part_short_conv,
              "linear_ce": part_linear_ce}
     for p in args.parts.split(","):
         try:

@@ -12,6 +12,8 @@ attribute lookup. Tests and tools that run layers directly use ``using(...)`` or
 - ``short_conv``: KDA's short convolutions on CUDA: ``fla`` (flash-linear-attention's ``causal_conv1d``),
   ``compiled`` (the reference, compiled) or ``triton`` (``model/short_conv_triton.py``).
 - ``sdpa_backend``: MLA's SDPA kernel order on CUDA: ``auto`` (torch's choice) or ``cudnn`` first.
+- ``cross_entropy``: the LM head's cross-entropy chunks on CUDA (``linear_cross_entropy``): ``triton``
+  (``model/ce_triton.py``: each logits row read twice) or ``compiled`` (``ce_sum_and_grad`` compiled).
 - ``graph_shared_inputs`` / ``graph_main_grad``: layer CUDA graphs read the AttnRes snapshots from the
   snapshot layer's static input, and add the parameters' gradients to ``main_grad`` inside the backward
   graph (``megatron/graphs.py``).
@@ -28,6 +30,7 @@ CHOICES = {
     "attn_res": ("triton", "compiled"),
     "short_conv": ("fla", "compiled", "triton"),
     "sdpa_backend": ("auto", "cudnn"),
+    "cross_entropy": ("triton", "compiled"),
 }
 
 
@@ -38,6 +41,7 @@ class Kernels:
     attn_res: str = "triton"
     short_conv: str = "fla"
     sdpa_backend: str = "auto"
+    cross_entropy: str = "triton"
     graph_shared_inputs: bool = True
     graph_main_grad: bool = True
     lean_grad_clip: bool = True

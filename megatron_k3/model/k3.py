@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..perf import current as current_kernels
 from .attn_res import ResProj, attn_res_mix
 from .common import Linear, RMSNorm, acc_dtype, compile_enabled, compiled, fast, normal_
 from .kda import KimiDeltaAttention
@@ -234,16 +235,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None if gw is None else gw * grad_out.to(gw.dtype), None, None, None, None)
 
 
+def ce_chunk_impl(hidden: torch.Tensor) -> str:
+    """Which form of ``ce_sum_and_grad`` ``linear_cross_entropy`` runs its chunks through: ``triton``
+    (``ce_triton.py``: each logits row read twice instead of three times) for CUDA tensors, the default since
+    measured (``benchmarks/README.md``); ``perf.cross_entropy = compiled`` opts out; else the function itself,
+    torch.compile'd on CUDA (``compiled``) or eager (``reference``)."""
+    if (hidden.is_cuda and current_kernels().cross_entropy == "triton"
+            and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return "triton"
+    return "compiled" if compile_enabled(hidden, grad_only=False) else "reference"
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = IGNORE_INDEX, chunk_tokens: int = 4096, chunk_fn=None):
     """``chunked_cross_entropy``'s loss sum (hidden [..., D], weight [V, D], targets [...]) computed the fast
     way when gradients are needed (``_LinearCrossEntropy``: no logits recomputation; holds d hidden and
     d weight from forward to backward). Without autograd it is ``chunked_cross_entropy``. ``chunk_fn``: see
-    ``_LinearCrossEntropy`` (default ``ce_sum_and_grad``, compiled on CUDA)."""
+    ``_LinearCrossEntropy`` (default ``ce_sum_and_grad`` in the form ``ce_chunk_impl`` picks)."""
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_tokens)[0]
     if chunk_fn is None:
-        chunk_fn = compiled(ce_sum_and_grad) if compile_enabled(hidden, grad_only=False) else ce_sum_and_grad
+        impl = ce_chunk_impl(hidden)
+        if impl == "triton":
+            from .ce_triton import ce_sum_and_grad_triton as chunk_fn
+        else:
+            chunk_fn = compiled(ce_sum_and_grad) if impl == "compiled" else ce_sum_and_grad
     h = hidden.reshape(-1, hidden.shape[-1])
     return _LinearCrossEntropy.apply(h, weight, targets.reshape(-1), ignore_index, chunk_tokens, chunk_fn)
 

@@ -173,6 +173,9 @@ class PerfSection:
                         choices=perf_mod.CHOICES["short_conv"])
     sdpa_backend: str = F("auto", "MLA attention kernel order on CUDA (cudnn: cuDNN first)",
                           choices=perf_mod.CHOICES["sdpa_backend"])
+    cross_entropy: str = F("triton", "LM-head cross-entropy chunks on CUDA: this project's Triton kernel (each logits "
+                                     "row read twice) or ce_sum_and_grad compiled", flag="--cross-entropy-impl",
+                           choices=perf_mod.CHOICES["cross_entropy"])
     graph_shared_inputs: bool = F(True, "layer graphs read AttnRes snapshots from the snapshot layer's static input")
     graph_main_grad: bool = F(True, "layer graphs add parameter gradients to main_grad inside the backward graph")
     lean_grad_clip: bool = F(True, "grad norm and clip without host reads (patches/lean_grad_clip.py)")

@@ -168,6 +168,55 @@ def test_linear_cross_entropy_equals_full_and_scales_its_gradients():
         assert g[::7].eq(0).all()
 
 
+def test_ce_chunk_form_choice():
+    """CUDA chunks go through the Triton kernel unless ``perf.cross_entropy = compiled``; CPU chunks run the
+    plain function (compiled only with ``compile = all``)."""
+    from megatron_k3 import perf
+    from megatron_k3.model.k3 import ce_chunk_impl
+
+    h = torch.zeros(2, 3)
+    assert ce_chunk_impl(h) == "reference"
+    with perf.using(cross_entropy="triton"):  # the kernel is for CUDA tensors
+        assert ce_chunk_impl(h) == "reference"
+    with perf.using(compile="all"):
+        assert ce_chunk_impl(h) == "compiled"
+    if torch.cuda.is_available():
+        assert ce_chunk_impl(h.cuda()) == "triton"
+        with perf.using(cross_entropy="compiled"):
+            assert ce_chunk_impl(h.cuda()) == "compiled"
+
+
+def test_ce_triton_kernel_under_interpreter(run_triton_interpreted):
+    """The LM head's CE chunk kernel (``ce_triton.py``, the CUDA default) against ``ce_sum_and_grad`` in fp64,
+    run by Triton's interpreter on the CPU: ignored rows (zero gradient, no loss), a vocabulary that is not a
+    multiple of the tile (masked lanes, one and several tiles), a target in the last tile, large logits
+    (the online max), a strided chunk (row stride past V), fp32 and bf16 logits."""
+    run_triton_interpreted(r"""
+import megatron_k3.model.ce_triton as ce
+from megatron_k3.model.k3 import ce_sum_and_grad
+ce.BLOCK_V = 64  # several tiles of a small vocabulary (the GPU's tile is 4096)
+torch.manual_seed(0)
+for n, V, dt, scale, strided, tol in ((9, 50, torch.float32, 3.0, False, 1e-6), (7, 200, torch.float32, 40.0, True, 1e-6),
+                                      (6, 130, torch.bfloat16, 5.0, False, 1e-2), (1, 64, torch.float32, 1.0, False, 1e-6)):
+    base = (torch.randn(n, V + 5) * scale).to(dt)
+    logits = base[:, :V] if strided else base[:, :V].contiguous()
+    t = torch.randint(0, V, (n,))
+    t[0] = V - 1
+    if n > 2:
+        t[2] = -100
+    assert ce.supported(logits, t) and logits.is_contiguous() != strided
+    loss, g = ce.ce_sum_and_grad_triton(logits, t, -100)
+    rl, rg = ce_sum_and_grad(logits.double(), t, -100)
+    assert g.dtype == dt and g.shape == logits.shape and g.is_contiguous()
+    assert rel(loss, rl) <= 1e-6 and rel(g, rg) <= tol, (n, V, dt, rel(loss, rl), rel(g, rg))
+    if n > 2:
+        assert g[2].eq(0).all()
+assert not ce.supported(torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.long))
+assert not ce.supported(torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.long))
+print("OK")
+""")
+
+
 def test_layer_checkpointing_same_loss_and_grads():
     cfg = get_preset("k3-tiny")
     ids, labels = _batch(cfg, B=2, T=32)
