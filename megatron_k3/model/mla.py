@@ -68,6 +68,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return o.transpose(1, 2)
 
 
+def heads_first_qkv(q: torch.Tensor, kv: torch.Tensor, k_rot: torch.Tensor, nope: int):
+    """q [B,T,H,qk], kv [B,T,H,nope+v] (k_nope | v per head), k_rot [B,T,rope] shared by the heads ->
+    q, k = [k_nope, k_rot], v as [B,T,H,*] views of contiguous [B,H,T,*] tensors: the layout SDPA's fast
+    kernels take (``causal_attention``: its transpose then needs no copy). Compiled on CUDA, the head
+    concatenation and the three transposes are one pass forward, and backward writes d kv in one piece
+    (eager, the cat and the split's backward cat ran as slow strided copies: 2 x 124 us per MLA layer and
+    micro-batch of 4 x 4096 on an H100, ``benchmarks/README.md``). Exact copies: the values are unchanged."""
+    B, T, H, _ = kv.shape
+    k_nope, v = kv.split([nope, kv.shape[-1] - nope], dim=-1)
+    k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(B, T, H, k_rot.shape[-1])], dim=-1)
+    return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+
+
 class GatedMLA(nn.Module):
     """MLA with the official names (``layers.{i}.self_attn.*``)."""
 
@@ -107,9 +120,7 @@ class GatedMLA(nn.Module):
         q = q.view(B, T, H, self.nope + self.rope)
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, H, self.nope + self.vdim)
-        k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
-        k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
-        return q, k, v
+        return fast(heads_first_qkv, kv)(q, kv, k_rot, self.nope)
 
     def attend(self, q, k, v):
         """Causal softmax attention over the full sequence: [B, T, h, *] -> [B, T, h, v_head_dim]."""
