@@ -40,7 +40,8 @@ from ..model.kda import KimiDeltaAttention
 from ..model.k3 import K3DecoderLayer
 from ..model.mla import GatedMLA
 from ..model.moe import MLP
-from ..model.common import Linear, RMSNorm, fast, rms_norm_batch_first, sigmoid_gate_seq_first
+from ..model.common import (Linear, RMSNorm, compile_enabled, compiled, fast, rms_norm_batch_first,
+                            sigmoid_gate_seq_first)
 from ..model.situ import glu_activation_stream, silu_glu, situ_glu_stream
 from .comm import ParallelCtx, cp_head_slice, cp_heads_to_seq, cp_seq_to_heads, tp_enter, tp_exit
 
@@ -100,7 +101,27 @@ def fused_linears(x: torch.Tensor, mods) -> list[torch.Tensor]:
             and len({getattr(m, "fp8_recipe", None) for m in mods}) == 1):
         return [m(x) for m in mods]
     y = mods[0].gemm(x, torch.cat([m.weight for m in mods]))
-    return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
+    return list(SplitColumns.apply(y, [m.weight.shape[0] for m in mods]))
+
+
+def _cat_columns(*parts):
+    return torch.cat(parts, dim=-1)
+
+
+class SplitColumns(torch.autograd.Function):
+    """``y.split(sizes, dim=-1)`` whose backward concatenates the pieces' gradients into d y with one compiled
+    kernel on CUDA. Autograd's own split backward is aten's cat, which took the slow strided path at KDA's fused
+    projection (six gradients into [B, T, 4232], 214 us per layer and micro-batch of 4 x 4096 on an H100,
+    1.3 TB/s; ``benchmarks/README.md``). The same values either way (a concatenation is a copy)."""
+
+    @staticmethod
+    def forward(ctx, y, sizes):
+        return tuple(y.split(sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        cat = compiled(_cat_columns) if compile_enabled(grads[0], grad_only=False) else _cat_columns
+        return cat(*grads), None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -278,3 +278,26 @@ def test_layout_fused_norm_and_gate_equal_their_two_steps():
         assert y.shape == (S, B, H * v) and y.is_contiguous() and torch.equal(y, ref)
         go_, gg_ = torch.autograd.grad(y, (o, g), go)
         assert torch.equal(go_, ro) and torch.equal(gg_, rg)
+
+
+def test_split_columns_backward_is_the_plain_split():
+    """``SplitColumns`` (the pieces of KDA's fused projection output; its backward one compiled concatenation on
+    CUDA), with the concatenation eager and traced (``compile = all``, aot_eager): the same views forward and
+    the same d y as autograd's split, bit for bit, including a piece whose gradient is unused (zeros)."""
+    from megatron_k3 import perf
+    from megatron_k3.parallel.layers import SplitColumns
+
+    gen = torch.Generator().manual_seed(5)
+    y0 = torch.randn(2, 3, 17, generator=gen).bfloat16()
+    sizes = [4, 4, 1, 8]
+    grads = [torch.randn(2, 3, n, generator=gen).bfloat16() for n in sizes]
+    y = y0.clone().requires_grad_()
+    ref = torch.autograd.grad(y.split(sizes, dim=-1)[:3], y, grads[:3])[0]
+    for mode in ({}, {"compile": "all", "compile_backend": "aot_eager"}):
+        with perf.using(**mode):
+            y = y0.clone().requires_grad_()
+            parts = SplitColumns.apply(y, sizes)
+            assert [tuple(p.shape) for p in parts] == [(2, 3, n) for n in sizes]
+            assert all(torch.equal(p, r) for p, r in zip(parts, y0.split(sizes, dim=-1)))
+            (gy,) = torch.autograd.grad(parts[:3], y, grads[:3])
+            assert torch.equal(gy, ref)
