@@ -308,8 +308,8 @@ def mla_bytes(cfg: K3Config, g: Geometry) -> dict:
     if cfg.q_lora_rank is not None:
         inputs += N * (8 * cfg.q_lora_rank + 4 + a * cfg.q_lora_rank)
     inputs += N * (8 * cfg.kv_lora_rank + 4 + a * cfg.kv_lora_rank)
-    v_saved = a * h * (dn + dv) if g.cp == 1 else a * h * dv
-    core = N * (2 * a * h * (dn + dr) + v_saved)
+    # q, k, v as saved by the attention: contiguous heads-first copies (mla.heads_first_qkv), v without k_nope
+    core = N * (2 * a * h * (dn + dr) + a * h * dv)
     if g.recompute != "selective":
         core += N * (a * h * dv + 4 * h * (math.ceil(g.S / 32) * 32) / g.S)
     gate = N * 8 * h * dv if cfg.mla_use_output_gate else 0.0
