@@ -60,6 +60,19 @@ def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.
     return fast(attn_res_mix_reference, prefix)(prefix, list(blocks), query, norm_weight, eps)
 
 
+def attn_res_mix_through(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float, blocks_through: bool = True):
+    """``attn_res_mix`` that also hands its candidates on: (out, prefix', blocks'), the same values as prefix and
+    blocks. A layer uses prefix' (and blocks') where it would use prefix (blocks) after the mix. On the Triton
+    path they are outputs of the mixer's autograd node, so their gradients are added inside its backward kernel
+    (``attn_res_triton.AttnResMixFunction``, ``through``); elsewhere they are the inputs themselves."""
+    if attn_res_impl(list(blocks) + [prefix]) == "triton":
+        from .attn_res_triton import attn_res_mix_through_triton
+
+        return attn_res_mix_through_triton(prefix, list(blocks), query, norm_weight, eps, blocks_through)
+    return attn_res_mix(prefix, blocks, query, norm_weight, eps), prefix, list(blocks)
+
+
 def attn_res_mix_reference(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor,
                            norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The plain-PyTorch mix (equations in the module docstring)."""

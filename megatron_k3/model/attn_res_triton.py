@@ -15,6 +15,12 @@ Per row (token) of the [R, D] candidates, with w = norm_weight * query:
         dV_n = p_n g + ds_n (r_n w - (V_n . w) r_n^3 V_n / D),  ds_n = p_n (g . V_n - c)
         dw = sum_rows sum_n ds_n r_n V_n   (per-program partials [P, D], summed afterwards)
 
+Handed-on candidates (``through``): the mixer's node can also return some of its candidates unchanged; the layer
+then uses those outputs (the residual's prefix, the blocks the layer's second mixer reads), so the gradients of
+those uses come back into this node and the backward kernel adds them to dV_n as it writes it (one read more
+per candidate) instead of autograd adding two gradients of one tensor in a kernel of its own (read two, write
+one: k3-mini ran 2,512 such bf16 adds a step on an H100, 85 ms; ``benchmarks/README.md``).
+
 Bytes per call: forward reads the N candidates and writes out; backward reads g and the candidates (twice, the
 second read can hit L2) and writes N gradients. The torch.compile'd reference reaches ~1/12-1/20 of this
 floor on the H200 (``benchmarks/bench_ops.py --parts attn_res``).
@@ -57,8 +63,8 @@ def _attn_res_fwd_kernel(cands, w_ptr, out_ptr, s_ptr, lse_ptr, R, D, eps,
 
 
 @triton.jit
-def _attn_res_bwd_kernel(cands, dcands, g_ptr, w_ptr, s_ptr, lse_ptr, dw_ptr, R, D, eps, n_blocks,
-                         N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_res_bwd_kernel(cands, dcands, accs, g_ptr, w_ptr, s_ptr, lse_ptr, dw_ptr, R, D, eps, n_blocks,
+                         N: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -83,6 +89,8 @@ def _attn_res_bwd_kernel(cands, dcands, g_ptr, w_ptr, s_ptr, lse_ptr, dw_ptr, R,
             r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
             dot = tl.sum(v * w[None, :], axis=1)
             dv = p[:, None] * g + ds[:, None] * (r[:, None] * w[None, :] - (dot * r * r * r / D)[:, None] * v)
+            if (ACC >> n) & 1:  # the gradient of candidate n handed on (``through``) arrives here: add it
+                dv += tl.load(accs[n] + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(dcands[n] + offs, dv.to(dcands[n].dtype.element_ty), mask=mask)
             dw += tl.sum((ds * r)[:, None] * v, axis=0)
     tl.store(dw_ptr + pid * D + cols, dw, mask=cmask)
@@ -105,10 +113,15 @@ def supported(cands) -> bool:
 
 class AttnResMixFunction(torch.autograd.Function):
     """out = mix(cands) with w = norm_weight * query given as one fp32 [D] tensor (its gradient is returned;
-    autograd carries it to the query and the norm weight)."""
+    autograd carries it to the query and the norm weight). ``through``: indices of candidates this node also
+    returns, unchanged (views), after ``out``; the gradients that their later uses send back arrive in this
+    node's backward and the kernel adds them to the candidates' own gradients (``ACC``), instead of autograd
+    adding the two gradients of the same tensor with a kernel of its own."""
 
     @staticmethod
-    def forward(ctx, w, eps, *cands):
+    def forward(ctx, w, eps, through, *cands):
+        ctx.through = tuple(through)
+        ctx.set_materialize_grads(False)  # a handed-on candidate nobody used sends no gradient (None)
         D = cands[0].shape[-1]
         R = cands[0].numel() // D
         N = len(cands)
@@ -121,11 +134,15 @@ class AttnResMixFunction(torch.autograd.Function):
                                                     BLOCK_D=bd, num_warps=nw)
         ctx.save_for_backward(w, s, lse, *cands)
         ctx.eps = eps
-        return out
+        if not ctx.through:
+            return out
+        return (out,) + tuple(cands[i].view_as(cands[i]) for i in ctx.through)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *g_through):
         w, s, lse, *cands = ctx.saved_tensors
+        if g is None:
+            g = torch.zeros_like(cands[-1])
         D = cands[0].shape[-1]
         R = cands[0].numel() // D
         br, bd, nw = _blocks(D)
@@ -133,14 +150,30 @@ class AttnResMixFunction(torch.autograd.Function):
         sms = torch.cuda.get_device_properties(g.device).multi_processor_count if g.is_cuda else 2
         programs = max(1, min(n_blocks, 4 * sms))
         dcands = [torch.empty_like(c) for c in cands]
+        accs, mask = list(dcands), 0  # dcands stand in where nothing is added (never read: ACC's bit is 0)
+        for i, gi in zip(ctx.through, g_through):
+            if gi is not None:
+                accs[i], mask = gi.contiguous(), mask | (1 << i)
         dw = torch.empty(programs, D, dtype=torch.float32, device=g.device)
-        _attn_res_bwd_kernel[(programs,)](tuple(cands), tuple(dcands), g.contiguous(), w, s, lse, dw, R, D, ctx.eps,
-                                          n_blocks, N=len(cands), BLOCK_R=br, BLOCK_D=bd, num_warps=nw)
-        return (dw.sum(0), None, *dcands)
+        _attn_res_bwd_kernel[(programs,)](tuple(cands), tuple(dcands), tuple(accs), g.contiguous(), w, s, lse, dw, R,
+                                          D, ctx.eps, n_blocks, N=len(cands), ACC=mask, BLOCK_R=br, BLOCK_D=bd,
+                                          num_warps=nw)
+        return (dw.sum(0), None, None, *dcands)
 
 
 def attn_res_mix_triton(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor,
                         norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``attn_res_mix_reference`` through the kernels above (``supported`` must hold for blocks + [prefix])."""
     w = norm_weight.float() * query.float()
-    return AttnResMixFunction.apply(w, float(eps), *blocks, prefix)
+    return AttnResMixFunction.apply(w, float(eps), (), *blocks, prefix)
+
+
+def attn_res_mix_through_triton(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor,
+                                norm_weight: torch.Tensor, eps: float, blocks_through: bool = True):
+    """``attn_res.attn_res_mix_through`` through the kernels: (out, prefix', blocks') with prefix' (and, with
+    ``blocks_through``, blocks') outputs of the mixer's node (``AttnResMixFunction``'s ``through``)."""
+    w = norm_weight.float() * query.float()
+    n = len(blocks)
+    through = (tuple(range(n)) if blocks_through else ()) + (n,)
+    out, *handed = AttnResMixFunction.apply(w, float(eps), through, *blocks, prefix)
+    return out, handed[-1], (handed[:-1] if blocks_through else list(blocks))

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..perf import current as current_kernels
-from .attn_res import ResProj, attn_res_mix
+from .attn_res import ResProj, attn_res_mix, attn_res_mix_through
 from .common import Linear, RMSNorm, acc_dtype, compile_enabled, compiled, fast, normal_
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
@@ -97,23 +97,32 @@ class K3DecoderLayer(nn.Module):
         mixer's batch-first layout)."""
         return self.self_attn(self.input_layernorm(x))
 
-    def mix(self, which: str, prefix, blocks):
+    def mix(self, which: str, prefix, blocks, blocks_through: bool = False):
+        """(mixed, prefix', blocks'): ``attn_res_mix_through`` (prefix' and blocks' carry the same values; use
+        them after the mix so that their gradients are added inside the mixer's backward on CUDA)."""
         norm, proj = getattr(self, f"{which}_res_norm"), getattr(self, f"{which}_res_proj")
-        return attn_res_mix(prefix, blocks, proj.weight.reshape(-1), norm.weight, norm.eps)
+        return attn_res_mix_through(prefix, blocks, proj.weight.reshape(-1), norm.weight, norm.eps, blocks_through)
 
     def forward(self, h: torch.Tensor, blocks: list | None):
-        """(h, blocks) -> (h, blocks). ``blocks`` is None without AttnRes; a new list is returned otherwise."""
+        """(h, blocks) -> (h, blocks). ``blocks`` is None without AttnRes; a new list is returned otherwise.
+        Inside the layer the mixers hand their candidates on (``mix``): the residual adds and the second mixer
+        read the handed-on tensors, the same values; the returned ``blocks`` are the tensors that came in (and
+        ``h`` at a block's first layer), as the layer's graph needs (``parallel/graphs.py``)."""
         if not self.attn_res:
             h = h + self.token_mixer(h)
             return h + self.ffn(self.post_attention_layernorm(h)), blocks
-        prefix = h
-        x = self.mix("self_attention", prefix, blocks) if blocks else prefix
+        prefix, inner = h, blocks
+        if blocks:
+            x, prefix, inner = self.mix("self_attention", prefix, blocks, blocks_through=True)
+        else:
+            x = prefix
         if self.snapshot:
-            blocks = list(blocks) + [prefix]
+            blocks, inner = list(blocks) + [h], list(inner) + [prefix]
             prefix = None
         a = self.token_mixer(x)
         prefix = a if prefix is None else prefix + a
-        m = self.ffn(self.post_attention_layernorm(self.mix("mlp", prefix, blocks)))
+        mixed, prefix, _ = self.mix("mlp", prefix, inner)
+        m = self.ffn(self.post_attention_layernorm(mixed))
         return prefix + m, blocks
 
 

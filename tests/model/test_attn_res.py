@@ -58,13 +58,15 @@ def test_candidate_counts(monkeypatch):
     """8 layers, block 2: snapshots at layers 0,2,4,6 -> the final mixer sees 4 blocks + the partial sum."""
     cfg = get_preset("k3-tiny")
     seen = []
-    real = k3mod.attn_res_mix
 
-    def spy(prefix, blocks, *a):
-        seen.append(len(blocks) + 1)
-        return real(prefix, blocks, *a)
+    def spy(real):
+        def counted(prefix, blocks, *a):
+            seen.append(len(blocks) + 1)
+            return real(prefix, blocks, *a)
+        return counted
 
-    monkeypatch.setattr(k3mod, "attn_res_mix", spy)
+    for name in ("attn_res_mix", "attn_res_mix_through"):  # the final mixer, the layers' mixers
+        monkeypatch.setattr(k3mod, name, spy(getattr(k3mod, name)))
     m = K3ForCausalLM(cfg, seed=0)
     m(torch.randint(0, cfg.vocab_size, (1, 8)))
     # layer i: the attention mixer sees the snapshots taken before layer i ((i + 1) // 2 of them, skipped
@@ -214,5 +216,41 @@ assert not supported([x, x.double()]) and not supported([x, torch.randn(4, 6, 9)
 from megatron_k3 import perf
 assert perf.current().attn_res == "triton"
 assert attn_res_impl([x, x]) == "reference"  # CPU tensors: the Triton path is for CUDA
+print("OK")
+""")
+
+
+def test_triton_handed_on_candidates_under_interpreter(run_triton_interpreted):
+    """``attn_res_mix_through`` on the Triton path (run by the interpreter on the CPU): the handed-on prefix and
+    blocks carry the inputs' values, and every gradient (candidates, query, norm weight) equals that of the
+    plain mixer whose inputs are used again afterwards (the layer's pattern: a residual add on the prefix, a
+    second mixer on the same blocks), so the gradients that come back through the handed-on tensors are added
+    by the backward kernel; one handed-on block left unused (no gradient comes back for it)."""
+    run_triton_interpreted(r"""
+from megatron_k3.model.attn_res_triton import attn_res_mix_through_triton, attn_res_mix_triton
+torch.manual_seed(0)
+shape, N, D = (3, 50, 40), 4, 40
+cands0 = [torch.randn(shape) * (1 + i) for i in range(N)]
+q0, nw0, q2 = torch.randn(D) * 0.5, 1 + 0.1 * torch.randn(D), torch.randn(D) * 0.5
+gs = [torch.randn(shape) for _ in range(3)]
+
+def run(through):
+    cands = [c.clone().requires_grad_() for c in cands0]
+    q, nw = q0.clone().requires_grad_(), nw0.clone().requires_grad_()
+    blocks, prefix = cands[:-1], cands[-1]
+    if through:
+        out, p2, b2 = attn_res_mix_through_triton(prefix, blocks, q, nw, 1e-6)
+        assert torch.equal(p2, prefix) and all(torch.equal(a, b) for a, b in zip(b2, blocks))
+        blocks2 = b2[:1] + blocks[1:2] + b2[2:]  # block 1 handed on but not used: None comes back for it
+    else:
+        out, p2, blocks2 = attn_res_mix_triton(prefix, blocks, q, nw, 1e-6), prefix, blocks
+    h = p2 + out * 2                                        # the residual on the handed-on prefix
+    out2 = attn_res_mix_triton(h, blocks2, q2, nw, 1e-6)    # the second mixer on the (handed-on) blocks
+    loss = (out * gs[0]).sum() + (out2 * gs[1]).sum() + (h * gs[2]).sum()
+    return torch.autograd.grad(loss, cands + [q, nw])
+
+ref, got = run(False), run(True)
+errs = [rel(a, b) for a, b in zip(got, ref)]
+assert all(e <= 1e-6 for e in errs), errs
 print("OK")
 """)
