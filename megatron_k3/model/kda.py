@@ -313,9 +313,11 @@ class KimiDeltaAttention(nn.Module):
                 self.gate_input(x).view(B, T, H, d), self.b_proj(x), self.output_gate(x).view(B, T, H, d))
 
     def mix(self, q, k, v, graw, blogit, heads: slice | None = None, initial_state=None, conv_caches=None,
-            output_final_state: bool = False, impl: str = "auto"):
+            output_final_state: bool = False, impl: str = "auto", normalize: bool = True):
         """Token mixing over the full sequence for the heads in ``heads`` (default: all of this module's):
-        short convs, gate, beta, the delta rule and the per-head output RMSNorm. Inputs [B, T, h, d]."""
+        short convs, gate, beta, the delta rule and the per-head output RMSNorm (fp32 output). Inputs
+        [B, T, h, d]. ``normalize=False`` leaves the norm to the caller (o in the delta rule's dtype): the
+        megatron layer runs it in one kernel with the output gate (``common.rms_norm_gate_seq_first``)."""
         B, T, h, d = q.shape
         hs = heads or slice(0, self.num_heads)
         ch = slice(hs.start * d, hs.stop * d)
@@ -339,6 +341,8 @@ class KimiDeltaAttention(nn.Module):
             kw = {} if impl == "recurrent" else {"chunk_size": self.cfg.kda_chunk_size}
             o, state = fn(l2norm(q), l2norm(k), v, g, beta, scale=d ** -0.5, initial_state=initial_state,
                           output_final_state=output_final_state, **kw)
+        if not normalize:
+            return o, state
         o = o.to(acc_dtype(q))
         return fast(rms_norm, o)(o, self.o_norm.weight, self.o_norm.eps), state
 

@@ -41,7 +41,7 @@ from ..model.k3 import K3DecoderLayer
 from ..model.mla import GatedMLA
 from ..model.moe import MLP
 from ..model.common import (Linear, RMSNorm, compile_enabled, compiled, fast, rms_norm_batch_first,
-                            sigmoid_gate_seq_first)
+                            rms_norm_gate_seq_first, sigmoid_gate_seq_first)
 from ..model.situ import glu_activation_stream, silu_glu, situ_glu_stream
 from .comm import ParallelCtx, cp_head_slice, cp_heads_to_seq, cp_seq_to_heads, tp_enter, tp_exit
 
@@ -163,10 +163,12 @@ class ParallelKDA(KimiDeltaAttention):
         if ctx.cp > 1:
             q, k, v, graw, blogit = (_seq_first(cp_seq_to_heads(_seq_first(t), ctx)) for t in (q, k, v, graw, blogit))
             heads = cp_head_slice(self.num_heads, ctx)
-        o, _ = recomputed(self.mix, q, k, v, graw, blogit, heads, enabled=self.recompute)
+        # the core without its output norm, which runs in one kernel with the gate below
+        o, _ = recomputed(functools.partial(self.mix, normalize=False), q, k, v, graw, blogit, heads,
+                          enabled=self.recompute)
         if ctx.cp > 1:
             o = _seq_first(cp_heads_to_seq(_seq_first(o), ctx))
-        o = fast(sigmoid_gate_seq_first, o)(o, gate, xb.dtype)            # [S_cp, B, H_tp d]
+        o = fast(rms_norm_gate_seq_first, o)(o, self.o_norm.weight, self.o_norm.eps, gate, xb.dtype)  # [S_cp, B, H_tp d]
         return tp_exit(self.o_proj(o), ctx)                                # partial sum over TP
 
 

@@ -292,7 +292,9 @@ def kda_bytes(cfg: K3Config, g: Geometry) -> dict:
     inputs = N * (a * D + a * width + a * p) + a * width * D   # x, projection output, o_proj input; weight
     if g.recompute == "selective":
         core = N * a * p                            # mix input graw (q, k, v, beta logits: in the output)
-        out = N * 8 * p                             # fp32 mix output (saved by the gate product) + sigmoid
+        # the output norm runs with the gate, outside the recomputed core (common.rms_norm_gate_seq_first):
+        # fp32 o, its rsqrt, normed o, o * weight and the sigmoid, as without recompute
+        out = N * (16 * p + 4 * h)
         return {"kda_inputs": inputs, "kda_core": core, "kda_output": out}
     conv = N * 3 * 4 * p * ((S + K - 1) / S + 1)
     fla = N * (3 * a * p + a * p + 8 * h + 4 * h + 2 * a * h * C)  # beta logits: in the projection output
@@ -688,7 +690,7 @@ def measure_saved_activations(cfg: K3Config, micro_batch_size: int, seq_length: 
                 raise RuntimeError("measurement stand-in: no backward")
 
         def mix(self, q, k, v, graw, blogit, heads=None, initial_state=None, conv_caches=None,
-                output_final_state=False, impl="auto"):
+                output_final_state=False, impl="auto", normalize=True):
             # KimiDeltaAttention.mix's CUDA branch, with the fla stand-in
             B, T, h, d = q.shape
             hs = heads or slice(0, self.num_heads)
@@ -697,6 +699,8 @@ def measure_saved_activations(cfg: K3Config, micro_batch_size: int, seq_length: 
             k = kda_mod.causal_conv1d(k.reshape(B, T, h * d), self.k_conv1d.weight[ch], True, None).view(B, T, h, d)
             v = kda_mod.causal_conv1d(v.reshape(B, T, h * d), self.v_conv1d.weight[ch], True, None).view(B, T, h, d)
             o = FlaChunkKDA.apply(q, k, v, graw, blogit, self.A_log[hs], self.dt_bias[ch], self.cfg.kda_chunk_size)
+            if not normalize:
+                return o, None
             return rms_norm(o.to(acc_dtype(q)), self.o_norm.weight, self.o_norm.eps), None
 
         class EfficientSDPA(torch.autograd.Function):

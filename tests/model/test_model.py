@@ -301,3 +301,24 @@ def test_split_columns_backward_is_the_plain_split():
             assert all(torch.equal(p, r) for p, r in zip(parts, y0.split(sizes, dim=-1)))
             (gy,) = torch.autograd.grad(parts[:3], y, grads[:3])
             assert torch.equal(gy, ref)
+
+
+def test_kda_output_norm_and_gate_in_one_function():
+    """``rms_norm_gate_seq_first`` (the megatron KDA layer's output norm and gate, one compiled kernel each way on
+    CUDA) equals ``mix``'s fp32 norm followed by ``sigmoid_gate_seq_first``, bit for bit, eager and traced
+    (aot_eager), with the gradients of o, the norm weight and the gate."""
+    from megatron_k3.model.common import compiled, rms_norm, rms_norm_gate_seq_first, sigmoid_gate_seq_first
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, d = 2, 5, 3, 8
+    o = torch.randn(B, T, H, d, generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(d, generator=gen)).requires_grad_()  # o_norm.weight is fp32
+    gate = torch.randn(B, T, H, d, generator=gen).bfloat16().requires_grad_()
+    gy = torch.randn(T, B, H * d, generator=gen).bfloat16()
+    ref = sigmoid_gate_seq_first(rms_norm(o.float(), w, 1e-5), gate, torch.bfloat16)
+    rgrads = torch.autograd.grad(ref, (o, w, gate), gy)
+    for fn in (rms_norm_gate_seq_first, compiled(rms_norm_gate_seq_first, backend="aot_eager")):
+        y = fn(o, w, 1e-5, gate, torch.bfloat16)
+        assert y.shape == (T, B, H * d) and y.is_contiguous() and torch.equal(y, ref)
+        for a, b in zip(torch.autograd.grad(y, (o, w, gate), gy), rgrads):
+            assert a.dtype == b.dtype and torch.equal(a, b)
