@@ -171,15 +171,20 @@ def part_attn_res(iters):
 
 
 # ------------------------------------------------------------------------------------------------------ ce
+def ce_chunk_inputs(N: int = 4096, V: int = 163840):
+    """One LM-head logits chunk at k3-mini ([N, V] bf16, N(0, 2) values) and its targets, every 17th ignored."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    tgt = torch.randint(0, V, (N,), device="cuda", generator=g)
+    tgt[::17] = -100
+    return logits, tgt
+
+
 def part_ce(iters):
     from megatron_k3.model.common import compiled
     from megatron_k3.model.k3 import cross_entropy_sum
 
-    N, V = 4096, 163840
-    g = torch.Generator(device="cuda").manual_seed(0)
-    logits0 = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
-    tgt = torch.randint(0, V, (N,), device="cuda", generator=g)
-    tgt[::17] = -100
+    logits0, tgt = ce_chunk_inputs()
     dy = torch.ones((), device="cuda")
     lr = logits0[:256].double().requires_grad_()
     ref = F.cross_entropy(lr, tgt[:256], ignore_index=-100, reduction="sum")
@@ -211,11 +216,8 @@ def part_ce_chunk(iters):
     from megatron_k3.model.common import compiled
     from megatron_k3.model.k3 import ce_sum_and_grad
 
-    N, V = 4096, 163840
-    g = torch.Generator(device="cuda").manual_seed(0)
-    logits = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
-    tgt = torch.randint(0, V, (N,), device="cuda", generator=g)
-    tgt[::17] = -100
+    logits, tgt = ce_chunk_inputs()
+    N, V = logits.shape
     res = {"bytes_floor_s": 3 * N * V * 2 / 3.35e12,  # two reads and one write at the H100's 3.35 TB/s
            "shape": [N, V]}
     outs = {}
