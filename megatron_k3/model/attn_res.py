@@ -70,7 +70,8 @@ def attn_res_mix_through(prefix: torch.Tensor, blocks: list[torch.Tensor], query
         from .attn_res_triton import attn_res_mix_through_triton
 
         return attn_res_mix_through_triton(prefix, list(blocks), query, norm_weight, eps, blocks_through)
-    return attn_res_mix(prefix, blocks, query, norm_weight, eps), prefix, list(blocks)
+    out = fast(attn_res_mix_reference, prefix)(prefix, list(blocks), query, norm_weight, eps)
+    return out, prefix, list(blocks)
 
 
 def attn_res_mix_reference(prefix: torch.Tensor, blocks: list[torch.Tensor], query: torch.Tensor,

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 4096
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the logits dtypes the kernel takes
 
 
 @triton.jit
@@ -61,7 +62,7 @@ def _ce_sum_grad_kernel(x_ptr, t_ptr, g_ptr, loss_ptr, V, stride_x, stride_g, ig
 
 def supported(logits: torch.Tensor, targets: torch.Tensor) -> bool:
     """Whether the kernel takes this chunk: [n, V] fp32/bf16/fp16 logits with unit column stride, [n] targets."""
-    return (logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (logits.dim() == 2 and logits.dtype in DTYPES
             and logits.stride(-1) == 1 and targets.shape == logits.shape[:1] and logits.device == targets.device)
 
 

@@ -249,9 +249,11 @@ def ce_chunk_impl(hidden: torch.Tensor) -> str:
     (``ce_triton.py``: each logits row read twice instead of three times) for CUDA tensors, the default since
     measured (``benchmarks/README.md``); ``perf.cross_entropy = compiled`` opts out; else the function itself,
     torch.compile'd on CUDA (``compiled``) or eager (``reference``)."""
-    if (hidden.is_cuda and current_kernels().cross_entropy == "triton"
-            and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-        return "triton"
+    if hidden.is_cuda and current_kernels().cross_entropy == "triton":
+        from .ce_triton import DTYPES
+
+        if hidden.dtype in DTYPES:  # the logits have the hidden states' dtype
+            return "triton"
     return "compiled" if compile_enabled(hidden, grad_only=False) else "reference"
 
 
